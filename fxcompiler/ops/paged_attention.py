@@ -1,0 +1,101 @@
+"""`fxc::paged_attention`: the compiler-visible attention op.
+
+One node per transformer layer in every captured graph. It writes the new K/V rows
+of this step into the paged cache (in place) and attends over the context that the
+block table names, with causal, padding and optional sliding-window masking done
+inside the op (transformers builds no mask for a custom attention implementation).
+
+Cache layout per layer: ``[num_blocks, block_size, kv_heads, head_dim]``. Block 0 is
+the null block: padding tokens write there and padded block-table entries read it
+(masked out by ``seq_lens``).
+
+Shapes: query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S, D]`` (what transformers'
+attention interface hands over), block_table ``[B, MB]``, slot_mapping/query_pos
+``[B, S]``, seq_lens ``[B]``; returns ``[B, S, Hq, D]`` (what transformers expects back).
+GQA is a grouped matmul: K/V are never repeated per query head.
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["paged_attention", "paged_attention_reference"]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Eager kernel for every device: cache write, block gather, masked softmax attention."""
+    B, Hq, S, D = query.shape
+    Hkv = key.shape[1]
+    G = Hq // Hkv
+    nb, bs = k_cache.shape[0], k_cache.shape[1]
+    slots = slot_mapping.reshape(-1)
+    k_flat = k_cache.view(nb * bs, Hkv, D)
+    v_flat = v_cache.view(nb * bs, Hkv, D)
+    k_flat.index_copy_(0, slots, key.transpose(1, 2).reshape(B * S, Hkv, D).to(k_cache.dtype))
+    v_flat.index_copy_(0, slots, value.transpose(1, 2).reshape(B * S, Hkv, D).to(v_cache.dtype))
+
+    MB = block_table.shape[1]
+    L = MB * bs
+    flat_blocks = block_table.reshape(-1)
+    # [B, MB*bs, Hkv, D] -> [B, Hkv, L, D]
+    k_ctx = k_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).permute(0, 2, 1, 3)
+    v_ctx = v_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).permute(0, 2, 1, 3)
+    if k_ctx.dtype != query.dtype:
+        k_ctx = k_ctx.to(query.dtype)
+        v_ctx = v_ctx.to(query.dtype)
+
+    q = query.reshape(B, Hkv, G * S, D)
+    scores = torch.matmul(q, k_ctx.transpose(-1, -2))
+    scores.mul_(scale)
+    if softcap > 0.0:
+        scores = torch.tanh(scores / softcap) * softcap
+
+    j = torch.arange(L, device=query.device)
+    qpos = query_pos.repeat(1, G)  # [B, G*S], g-major like q's rows
+    allowed = (j.view(1, 1, L) <= qpos.unsqueeze(-1)) & (j.view(1, 1, L) < seq_lens.view(B, 1, 1))
+    if sliding_window > 0:
+        allowed &= j.view(1, 1, L) > (qpos.unsqueeze(-1) - sliding_window)
+    scores.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v_ctx)  # [B, Hkv, G*S, D]
+    return out.view(B, Hq, S, D).transpose(1, 2).contiguous()
+
+
+@torch.library.custom_op("fxc::paged_attention", mutates_args=("k_cache", "v_cache"))
+def paged_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int = -1,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    return paged_attention_reference(
+        query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
+        scale, sliding_window, softcap,
+    )
+
+
+@paged_attention.register_fake
+def _(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
+      scale, sliding_window=-1, softcap=0.0):
+    B, Hq, S, D = query.shape
+    return query.new_empty(B, S, Hq, D)

@@ -1,0 +1,231 @@
+"""Pipeline IR: buckets, devices, tensors, parameters, supertasks and graph blobs.
+
+A :class:`Pipeline` is the DAG one bucket runs: ``input`` → compute supertasks
+(``fx``/``dfg``/``edf``) and communication supertasks → ``output``, over named tensors.
+It is pure data; graph blobs are referenced by content hash so identical graphs are
+stored and compiled once (furiosa_llm_semantics.md §1.4, §2.5).
+"""
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PIPELINE_SCHEMA_VERSION = "0.1.0"
+
+_DTYPE_NAMES = {
+    "torch.float64": "f64", "torch.float32": "f32", "torch.float16": "f16", "torch.bfloat16": "bf16",
+    "torch.float8_e4m3fn": "f8", "torch.bool": "bool", "torch.int64": "i64", "torch.int32": "i32",
+    "torch.int16": "i16", "torch.int8": "i8", "torch.uint8": "u8",
+}
+
+
+def dtype_name(dtype) -> str:
+    """furiosa pipeline dtype spelling (``f32``, ``bf16``, ``i64``...) of a torch dtype."""
+    return _DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True, order=True)
+class Bucket:
+    """A compiled shape class: ``kv_cache_size == 0`` is prefill, otherwise decode."""
+
+    batch_size: int
+    attention_size: int
+    kv_cache_size: int = 0
+
+    def __post_init__(self):
+        for name in ("batch_size", "attention_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Bucket.{name} must be a positive int, got {v!r}")
+        if not 0 <= self.kv_cache_size < self.attention_size:
+            raise ValueError(f"Bucket.kv_cache_size must be in [0, attention_size), got {self.kv_cache_size}")
+
+    @classmethod
+    def prefill(cls, batch_size: int, attention_size: int) -> "Bucket":
+        return cls(batch_size, attention_size, 0)
+
+    @classmethod
+    def decode(cls, batch_size: int, attention_size: int) -> "Bucket":
+        return cls(batch_size, attention_size, attention_size - 1)
+
+    @property
+    def input_ids_size(self) -> int:
+        return self.attention_size - self.kv_cache_size
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.kv_cache_size == 0
+
+    @property
+    def is_decode(self) -> bool:
+        return self.kv_cache_size > 0
+
+    @property
+    def phase(self) -> str:
+        return "prefill" if self.is_prefill else "decode"
+
+
+def pipeline_name(model: str, bucket: Bucket) -> str:
+    safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", model)
+    return f"{safe}-kv{bucket.kv_cache_size}-b{bucket.batch_size}-attn{bucket.attention_size}"
+
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(?::(\d+))?$")
+_NPU_RE = re.compile(r"^(npu):(\d+)(?::(\*|\d+|\d+-\d+))?$|^(rngd):(\d+):(\d+)$")
+_BACKEND_DEVICE_KINDS = {"cpu", "cuda"}
+
+
+class Device(str):
+    """A device string: ``cpu``, ``cpu:N``, ``cuda``, ``cuda:N`` (and furiosa's ``npu:X[:...]``,
+    which parses but is refused since no NPU backend is registered)."""
+
+    def __new__(cls, value: str):
+        if not isinstance(value, str):
+            raise TypeError(f"device must be a string like 'cpu' or 'cuda:0', got {type(value).__name__}")
+        text = value.strip()
+        m = _DEVICE_RE.match(text)
+        if m is None:
+            if _NPU_RE.match(text):
+                raise ValueError(f"device {text!r} is a Furiosa NPU device; fxcompiler has no NPU backend "
+                                 "(registered device kinds: cpu, cuda)")
+            raise ValueError(f"invalid device {value!r}: expected 'cpu', 'cpu:N', 'cuda' or 'cuda:N'")
+        return super().__new__(cls, text)
+
+    @property
+    def kind(self) -> str:
+        return self.split(":")[0]
+
+    @property
+    def idx(self) -> int:
+        parts = self.split(":")
+        return int(parts[1]) if len(parts) > 1 else 0
+
+    def to_torch_device(self):
+        import torch
+
+        return torch.device("cpu") if self.kind == "cpu" else torch.device(str(self))
+
+
+def parse_devices(devices) -> list[Device]:
+    """``"cpu"``, ``"cuda:0,cuda:1"`` or a sequence of strings/Devices -> list of :class:`Device`."""
+    if devices is None:
+        return [Device("cpu")]
+    if isinstance(devices, str):
+        items = [d for d in devices.split(",") if d.strip()]
+    elif isinstance(devices, (list, tuple)):
+        items = list(devices)
+    else:
+        raise TypeError(f"devices must be a string or a sequence of device strings, got {type(devices).__name__}")
+    if not items:
+        raise ValueError("devices must name at least one device")
+    return [d if isinstance(d, Device) else Device(d) for d in items]
+
+
+@dataclass
+class TensorInfo:
+    shape: list[int | str]
+    dtype: str
+
+
+@dataclass
+class ParamValue:
+    param_file: str
+    name: str  # key in the param file
+    name_in_graph: str  # placeholder name
+    placements: list[tuple[int, int]] | None = None
+
+
+@dataclass
+class ParamInfo:
+    shape: list[int]
+    dtype: str
+    value: ParamValue
+
+
+@dataclass
+class ParamFileInfo:
+    path: str  # "" for parameters held in memory only
+    format: str  # "safetensors" | "pt" | "memory"
+
+
+class SuperTaskKind(str, enum.Enum):
+    INPUT = "input"
+    OUTPUT = "output"
+    FX = "fx"
+    DFG = "dfg"
+    EDF = "edf"
+    SEND = "send"
+    RECV = "recv"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+
+    @property
+    def is_compute(self) -> bool:
+        return self in (SuperTaskKind.FX, SuperTaskKind.DFG, SuperTaskKind.EDF)
+
+
+@dataclass
+class SuperTask:
+    kind: SuperTaskKind
+    inputs: list[str]
+    outputs: list[str]
+    device: str | None = None
+    data_blob: str | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class DataBlob:
+    """A graph blob: kind + content hash; ``graph`` is the in-memory object (GraphModule)."""
+
+    id: str
+    kind: str
+    graph: Any = None
+
+    @staticmethod
+    def content_id(kind: str, text: str) -> str:
+        return hashlib.sha256(f"{kind}\n{text}".encode()).hexdigest()[:20]
+
+
+@dataclass
+class Pipeline:
+    name: str
+    bucket: Bucket
+    devices: dict[str, str]
+    tensors: dict[str, TensorInfo | ParamInfo]
+    supertasks: dict[str, SuperTask]
+    blobs: dict[str, DataBlob]
+    param_files: dict[str, ParamFileInfo]
+    metadata: dict[str, Any] = field(default_factory=dict)
+    version: str = PIPELINE_SCHEMA_VERSION
+
+    def compute_supertasks(self) -> list[tuple[str, SuperTask]]:
+        return [(k, t) for k, t in self.supertasks.items() if t.kind.is_compute]
+
+    def to_dict(self) -> dict:
+        def enc(obj):
+            if isinstance(obj, enum.Enum):
+                return obj.value
+            if isinstance(obj, dict):
+                return {k: enc(v) for k, v in obj.items()}
+            if isinstance(obj, (list, tuple)):
+                return [enc(v) for v in obj]
+            return obj
+
+        return {
+            "name": self.name, "version": self.version, "bucket": asdict(self.bucket),
+            "devices": dict(self.devices),
+            "tensors": {k: {"kind": "param" if isinstance(v, ParamInfo) else "tensor", **enc(asdict(v))}
+                        for k, v in self.tensors.items()},
+            "supertasks": {k: {**enc(asdict(t)), "kind": t.kind.value} for k, t in self.supertasks.items()},
+            "blobs": {k: {"id": b.id, "kind": b.kind} for k, b in self.blobs.items()},
+            "param_files": {k: asdict(v) for k, v in self.param_files.items()},
+            "metadata": enc(self.metadata),
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=True)
