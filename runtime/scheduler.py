@@ -86,7 +86,8 @@ class Scheduler:
         return batch
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
-        room = min(self.max_prefill_batch, self.config.max_processing_samples - len(self.running))
+        room = min(self.max_prefill_batch, self.config.max_processing_samples - len(self.running),
+                   self.max_decode_batch - len(self.running))
         chosen: list[Sequence] = []
         longest, real_tokens, used_blocks = 0, 0, 0
         bucket = None

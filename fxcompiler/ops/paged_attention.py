@@ -49,53 +49,53 @@ def paged_attention_reference(
     MB = block_table.shape[1]
     L = MB * bs
     flat_blocks = block_table.reshape(-1)
-    # [B, MB*bs, Hkv, D] -> [B, Hkv, L, D]
-    k_ctx = k_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).permute(0, 2, 1, 3)
-    v_ctx = v_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).permute(0, 2, 1, 3)
+    # [B, MB*bs, Hkv, D] viewed as [B, Hkv, L, D] (strided; SDPA reads it in place)
+    k_ctx = k_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).transpose(1, 2)
+    v_ctx = v_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).transpose(1, 2)
     if k_ctx.dtype != query.dtype:
         k_ctx = k_ctx.to(query.dtype)
         v_ctx = v_ctx.to(query.dtype)
-
-    q = query.reshape(B, Hkv, G * S, D)
-    scores = torch.matmul(q, k_ctx.transpose(-1, -2))
-    scores.mul_(scale)
-    if softcap > 0.0:
-        scores = torch.tanh(scores / softcap) * softcap
-
     j = torch.arange(L, device=query.device)
-    qpos = query_pos.repeat(1, G)  # [B, G*S], g-major like q's rows
-    allowed = (j.view(1, 1, L) <= qpos.unsqueeze(-1)) & (j.view(1, 1, L) < seq_lens.view(B, 1, 1))
+    allowed = (j.view(1, 1, L) <= query_pos.unsqueeze(-1)) & (j.view(1, 1, L) < seq_lens.view(B, 1, 1))
     if sliding_window > 0:
-        allowed &= j.view(1, 1, L) > (qpos.unsqueeze(-1) - sliding_window)
-    scores.masked_fill_(~allowed.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v_ctx)  # [B, Hkv, G*S, D]
+        allowed &= j.view(1, 1, L) > (query_pos.unsqueeze(-1) - sliding_window)
+    if softcap > 0.0:
+        return _softcapped_attention(query, k_ctx, v_ctx, allowed, scale, softcap)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, k_ctx, v_ctx, attn_mask=allowed.unsqueeze(1), scale=scale, enable_gqa=Hq != Hkv)
+    return out.transpose(1, 2).contiguous()
+
+
+def _softcapped_attention(query, k_ctx, v_ctx, allowed, scale, softcap):
+    """Gemma-2 style: scores = tanh(scores / cap) * cap before the mask (grouped matmul, no K/V repeat)."""
+    B, Hq, S, D = query.shape
+    Hkv = k_ctx.shape[1]
+    G = Hq // Hkv
+    q = query.reshape(B, Hkv, G * S, D)
+    scores = torch.matmul(q, k_ctx.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    mask = allowed.repeat(1, G, 1).unsqueeze(1)  # rows are g-major like q
+    scores = scores.masked_fill(~mask, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1), v_ctx)
     return out.view(B, Hq, S, D).transpose(1, 2).contiguous()
 
 
-@torch.library.custom_op("fxc::paged_attention", mutates_args=("k_cache", "v_cache"))
-def paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    query_pos: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    sliding_window: int = -1,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    return paged_attention_reference(
-        query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
-        scale, sliding_window, softcap,
-    )
+_SCHEMA = ("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+           "Tensor block_table, Tensor slot_mapping, Tensor query_pos, Tensor seq_lens, float scale, "
+           "int sliding_window=-1, float softcap=0.0) -> Tensor")
+
+# Defined with the low-level Library API rather than torch.library.custom_op: the op is
+# called once per layer per step, and custom_op's Python wrapper costs ~100 us a call.
+_lib = torch.library.Library("fxc", "FRAGMENT")
+_lib.define(_SCHEMA)
+_lib.impl("paged_attention", paged_attention_reference, "CompositeExplicitAutograd")
 
 
-@paged_attention.register_fake
-def _(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
-      scale, sliding_window=-1, softcap=0.0):
+@torch.library.register_fake("fxc::paged_attention", lib=_lib)
+def _fake(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
+          scale, sliding_window=-1, softcap=0.0):
     B, Hq, S, D = query.shape
     return query.new_empty(B, S, Hq, D)
+
+
+paged_attention = torch.ops.fxc.paged_attention.default

@@ -1,0 +1,496 @@
+"""``fxcompiler.LLM``: furiosa_llm.LLM's interface over the capture → passes → pipelines → runtime stack."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import uuid
+import warnings
+from pathlib import Path
+from typing import Any, AsyncGenerator, Dict, List, Literal, Mapping, Sequence
+
+import torch
+
+from .config import (BucketConfig, DefaultBucketConfig, KvCacheSharingAcrossBeamsConfig, LLMBackend, LLMConfig,
+                     ManualBucketConfig, MinimalBucketConfig, SchedulerConfig)
+from .models.loader import load_model, load_tokenizer, parse_dtype
+from .models.sources import resolve_model_source
+from .outputs import RequestOutput
+from .pipeline import Bucket, Device, parse_devices
+from .sampling_params import RequestOutputKind, SamplingParams
+
+log = logging.getLogger("fxcompiler")
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("FXCOMPILER_CACHE_DIR")
+    if root:
+        return Path(root)
+    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "fxcompiler"
+
+
+CACHE_DIR = default_cache_dir()
+_UNSET: Any = object()
+
+
+def _later(capability: str, issue: str) -> NotImplementedError:
+    return NotImplementedError(f"{capability} is not implemented yet ({issue}); see the README's feature table")
+
+
+class LLM:
+    """An LLM for generating texts from prompts and sampling parameters (furiosa_llm.LLM-compatible).
+
+    See the README's compatibility table for the parameters whose default or meaning
+    differs on CPU/GPU, and for the ones that raise ``NotImplementedError`` until the
+    capability lands.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        task_type: str | None = None,
+        llm_config: LLMConfig | None = None,
+        auto_bfloat16_cast: bool | None = None,
+        qformat_path: os.PathLike | None = None,
+        qparam_path: os.PathLike | None = None,
+        quant_ckpt_file_path: os.PathLike | None = None,
+        hf_overrides: Dict[str, Any] = {},  # noqa: B006 - furiosa's signature
+        bucket_config: BucketConfig | None = None,
+        speculative_model: "str | LLM | None" = None,
+        speculative_model_llm_config: LLMConfig | None = None,
+        speculative_model_qformat_path: os.PathLike | None = None,
+        speculative_model_qparam_path: os.PathLike | None = None,
+        speculative_model_quant_ckpt_file_path: os.PathLike | None = None,
+        speculative_model_config: Dict[str, Any] = {},  # noqa: B006
+        speculative_model_bucket_config: BucketConfig | None = None,
+        speculative_draft_tensor_parallel_size: int | None = None,
+        speculative_draft_pipeline_parallel_size: int | None = None,
+        speculative_draft_data_parallel_size: int | None = None,
+        speculative_draft_num_blocks_per_pp_stage: Sequence[int] | None = None,
+        num_speculative_tokens: int | None = None,
+        max_seq_len_to_capture: int = 2048,
+        max_prompt_len: int | None = None,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        data_parallel_size: int | None = None,
+        tokenizer: Any = None,
+        tokenizer_mode: Literal["auto", "slow"] = "auto",
+        trust_remote_code: bool = False,
+        seed: int | None = None,
+        devices: str | Sequence[Device] | None = None,
+        param_file_path: os.PathLike | None = None,
+        param_saved_format: Literal["safetensors", "pt"] = "safetensors",
+        do_decompositions_for_model_rewrite: bool = False,
+        comp_supertask_kind: Literal["edf", "dfg", "fx"] | None = None,
+        cache_dir: os.PathLike | None = CACHE_DIR,
+        backend: LLMBackend | None = None,
+        use_blockwise_compile: bool = True,
+        num_blocks_per_supertask: int = 1,
+        num_blocks_per_pp_stage: Sequence[int] | None = None,
+        embed_all_constants_into_graph: bool = False,
+        paged_attention_block_size: int = 16,
+        kv_cache_sharing_across_beams_config: KvCacheSharingAcrossBeamsConfig | None = None,
+        prefill_chunk_size: int | None = None,
+        scheduler_config: SchedulerConfig = SchedulerConfig(),  # noqa: B008 - furiosa's signature
+        packing_type: Literal["IDENTITY"] = "IDENTITY",
+        compiler_config_overrides: Mapping | None = None,
+        use_random_weight: bool = False,
+        num_pipeline_builder_workers: int = 1,
+        num_compile_workers: int = 1,
+        skip_engine: bool = False,
+        artifacts_export_path: str | os.PathLike | None = None,
+        *,
+        _cleanup: bool = True,
+        _pipelines_with_metadata: Sequence | None = None,
+        _custom_buckets: Sequence[Bucket] = [],  # noqa: B006
+        _optimize_logit_shape: bool = True,
+        _model_metadata: Any = None,
+        _unpadded_vocab_size: int | None = None,
+        _embedding_layer_as_single_block: bool = False,
+        _artifact_id: str = "NO_ARTIFACT_ID",
+        **kwargs,
+    ):
+        # -- vLLM-style extras and furiosa's hidden kwargs -------------------------------------------
+        paged_attention_num_blocks = kwargs.pop("paged_attention_num_blocks", None)
+        kv_cache_memory_bytes = kwargs.pop("kv_cache_memory_bytes", None)
+        dtype = parse_dtype(kwargs.pop("dtype", "auto"))
+        enable_chunked_prefill = kwargs.pop("enable_chunked_prefill", None)
+        max_num_batched_tokens = kwargs.pop("max_num_batched_tokens", None)
+        for hidden in ("optimize_paged_attention_block_loading", "sparse_select_version", "one_supertask_per_device"):
+            kwargs.pop(hidden, None)
+        if "config" in kwargs:
+            if hf_overrides:
+                raise ValueError("pass either hf_overrides or its deprecated alias config, not both")
+            hf_overrides = kwargs.pop("config")
+        if kwargs:
+            raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(kwargs)}")
+
+        # -- argument validation (every error names its argument) --------------------------------
+        if task_type not in (None, "text-generation"):
+            raise NotImplementedError(f"task_type={task_type!r}: only 'text-generation' models are supported")
+        if tokenizer_mode not in ("auto", "slow"):
+            raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {tokenizer_mode!r}")
+        if not isinstance(hf_overrides, dict):
+            raise TypeError(f"hf_overrides must be a dict, got {type(hf_overrides).__name__}")
+        if packing_type != "IDENTITY":
+            raise ValueError(f"packing_type must be 'IDENTITY', got {packing_type!r}")
+        if param_saved_format not in ("safetensors", "pt"):
+            raise ValueError(f"param_saved_format must be 'safetensors' or 'pt', got {param_saved_format!r}")
+        for name, value in (("max_seq_len_to_capture", max_seq_len_to_capture),
+                            ("paged_attention_block_size", paged_attention_block_size),
+                            ("num_pipeline_builder_workers", num_pipeline_builder_workers),
+                            ("num_compile_workers", num_compile_workers),
+                            ("num_blocks_per_supertask", num_blocks_per_supertask),
+                            ("tensor_parallel_size", tensor_parallel_size),
+                            ("pipeline_parallel_size", pipeline_parallel_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if max_prompt_len is not None and (not isinstance(max_prompt_len, int) or max_prompt_len < 1):
+            raise ValueError(f"max_prompt_len must be a positive int, got {max_prompt_len!r}")
+        if paged_attention_num_blocks is not None and (not isinstance(paged_attention_num_blocks, int)
+                                                       or paged_attention_num_blocks < 2):
+            raise ValueError(f"paged_attention_num_blocks must be an int >= 2, got {paged_attention_num_blocks!r}")
+        if not isinstance(scheduler_config, SchedulerConfig):
+            raise TypeError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
+        if bucket_config is not None and not isinstance(bucket_config, BucketConfig):
+            raise TypeError(f"bucket_config must be a ManualBucketConfig or MinimalBucketConfig, "
+                            f"got {type(bucket_config).__name__}")
+        self.backend = LLMBackend.parse(backend)
+        if self.backend not in (LLMBackend.TORCH_PIPELINE_RUNNER, LLMBackend.MOCK_BACKEND_V2):
+            raise ValueError(f"backend={self.backend.name} needs a Furiosa NPU; use TORCH_PIPELINE_RUNNER "
+                             "(or MOCK_BACKEND_V2, its alias on CPU/GPU)")
+        self.devices = parse_devices(devices)
+        if comp_supertask_kind not in (None, "fx", "dfg", "edf"):
+            raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {comp_supertask_kind!r}")
+
+        # -- capabilities of later issues ------------------------------------------------------------
+        if llm_config is not None and llm_config.quantization_config is not None or qformat_path or qparam_path \
+                or quant_ckpt_file_path:
+            raise _later("quantization (llm_config quantization, qformat_path/qparam_path/quant_ckpt_file_path)",
+                         "quantization issue")
+        if speculative_model is not None or num_speculative_tokens is not None or any(
+                v not in (None, {}) for v in (speculative_model_llm_config, speculative_model_qformat_path,
+                                              speculative_model_qparam_path, speculative_model_quant_ckpt_file_path,
+                                              speculative_model_config or None, speculative_model_bucket_config,
+                                              speculative_draft_tensor_parallel_size,
+                                              speculative_draft_pipeline_parallel_size,
+                                              speculative_draft_data_parallel_size,
+                                              speculative_draft_num_blocks_per_pp_stage)):
+            raise _later("speculative decoding", "speculative-decoding issue")
+        if tensor_parallel_size != 1 or pipeline_parallel_size != 1 or data_parallel_size not in (None, 1) \
+                or num_blocks_per_pp_stage is not None or len(self.devices) > 1:
+            raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
+        if kv_cache_sharing_across_beams_config is not None:
+            raise _later("KV cache sharing across beams", "issue 6, complete decoding")
+        if prefill_chunk_size is not None or scheduler_config.prefill_chunk_size is not None \
+                or enable_chunked_prefill or max_num_batched_tokens is not None:
+            raise _later("chunked prefill (prefill_chunk_size / enable_chunked_prefill)", "issue 6, complete decoding")
+        if do_decompositions_for_model_rewrite:
+            raise _later("do_decompositions_for_model_rewrite", "issue 3, the pass library")
+        if embed_all_constants_into_graph:
+            raise _later("embed_all_constants_into_graph=True", "issue 3, the pass library")
+        if comp_supertask_kind in ("dfg", "edf"):
+            raise _later(f"comp_supertask_kind={comp_supertask_kind!r}", "issue 4, blockwise compilation")
+        if num_blocks_per_supertask != 1:
+            raise _later("num_blocks_per_supertask > 1", "issue 4, blockwise compilation")
+        if num_pipeline_builder_workers != 1 or num_compile_workers != 1:
+            raise _later("parallel pipeline building/compilation", "issue 4, blockwise compilation")
+        if artifacts_export_path is not None:
+            raise _later("artifacts_export_path", "issue 5, artifacts")
+        if _custom_buckets:
+            raise _later("_custom_buckets", "issue 6, complete decoding")
+
+        if seed is not None:
+            from transformers import set_seed
+
+            set_seed(seed)
+        self.seed = seed
+        self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        self.comp_supertask_kind = comp_supertask_kind or "fx"
+        self.use_blockwise_compile = use_blockwise_compile
+        self.scheduler_config = scheduler_config
+        self.artifact_id = _artifact_id
+        self.is_generative_model = True
+        self._device = self.devices[0].to_torch_device()
+        if self._device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"devices={devices!r}: CUDA is not available on this machine")
+
+        # -- model, tokenizer ------------------------------------------------------------------------
+        source = resolve_model_source(model)
+        if auto_bfloat16_cast:
+            dtype = torch.bfloat16
+        loaded = load_model(source, cache_dir=self.cache_dir, hf_overrides=hf_overrides,
+                            use_random_weight=use_random_weight, dtype=dtype, seed=seed,
+                            trust_remote_code=trust_remote_code)
+        self.model_id = source.model_id
+        self.model_config = loaded.config
+        self.generation_config = loaded.generation_config
+        self.tokenizer = load_tokenizer(loaded.model_dir, tokenizer, tokenizer_mode, trust_remote_code)
+        self._hf_model = loaded.model.to(self._device)
+
+        max_pos = getattr(loaded.config, "max_position_embeddings", None) or getattr(loaded.config, "n_positions", None)
+        if max_pos is not None and max_seq_len_to_capture > max_pos:
+            raise ValueError(f"max_seq_len_to_capture={max_seq_len_to_capture} exceeds the model's "
+                             f"max_position_embeddings={max_pos}")
+
+        # -- buckets -------------------------------------------------------------------------------
+        prompt_cap = max_prompt_len or max_seq_len_to_capture
+        if prompt_cap > max_seq_len_to_capture:
+            raise ValueError(f"max_prompt_len={max_prompt_len} exceeds max_seq_len_to_capture={max_seq_len_to_capture}")
+        policy = bucket_config or DefaultBucketConfig(max_decode_batch=min(256, scheduler_config.max_processing_samples))
+        prefill, decode = policy.buckets(prompt_cap, max_seq_len_to_capture)
+        if not prefill:
+            if not skip_engine:
+                raise ValueError("bucket_config has no prefill buckets (allowed only with skip_engine=True)")
+        largest_decode = max(b.attention_size for b in decode)
+        if max_pos is not None and largest_decode > max_pos:
+            raise ValueError(f"decode bucket attention size {largest_decode} exceeds the model's "
+                             f"max_position_embeddings={max_pos}")
+        if largest_decode != max_seq_len_to_capture:
+            warnings.warn(f"max_seq_len_to_capture={max_seq_len_to_capture} differs from the largest decode bucket "
+                          f"({largest_decode}); using {largest_decode}")
+        self.max_seq_len_to_capture = largest_decode
+        largest_prefill = max((b.attention_size for b in prefill), default=0)
+        if max_prompt_len is not None and max_prompt_len > largest_prefill:
+            raise ValueError(f"max_prompt_len={max_prompt_len} is larger than the largest prefill bucket "
+                             f"({largest_prefill}); the buckets cannot cover it")
+        self.prompt_max_seq_len = min(max_prompt_len or largest_prefill, largest_prefill, largest_decode)
+        self.buckets = prefill + decode
+
+        # -- build ---------------------------------------------------------------------------------
+        from .build import build, plan_kv_cache, start_engine
+
+        options = dict(compiler_config_overrides or {})
+        self._captured, self._build = build(
+            self._hf_model, self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
+            kind=self.comp_supertask_kind, options=options, param_file_path=param_file_path,
+            param_saved_format=param_saved_format)
+        self.pipelines = self._build.pipelines
+        self.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in self.pipelines]
+        self.kv_cache_plan = plan_kv_cache(
+            self._captured, block_size=paged_attention_block_size, max_context=self.max_seq_len_to_capture,
+            max_decode_batch=max(b.batch_size for b in decode), max_processing_samples=scheduler_config.max_processing_samples,
+            num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes)
+        self._eos = self._eos_token_ids()
+        self.engine = None
+        if not skip_engine:
+            self.engine = start_engine(
+                self._captured, self._build, prefill_buckets=prefill, decode_buckets=decode,
+                scheduler_config=scheduler_config, kv=self.kv_cache_plan, device=self._device,
+                tokenizer=self.tokenizer, eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
+        # The captured program holds the weights now; drop the eager model (and its layouts).
+        del self._hf_model
+        self._captured.params.clear()
+        self._lock = threading.Lock()
+        self._pending: dict[str, list[RequestOutput]] = {}
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _eos_token_ids(self) -> frozenset[int]:
+        ids: set[int] = set()
+        for src in (getattr(self.generation_config, "eos_token_id", None),
+                    getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None):
+            if isinstance(src, int):
+                ids.add(src)
+            elif isinstance(src, (list, tuple)):
+                ids.update(int(x) for x in src)
+        return frozenset(ids)
+
+    def _require_engine(self):
+        if self.engine is None:
+            raise RuntimeError("this LLM was built with skip_engine=True; it has no engine to generate with")
+        return self.engine
+
+    def _encode(self, prompts: list[str], prompt_token_ids, tokenizer_kwargs) -> list[list[int]]:
+        if prompt_token_ids is not None:
+            ids = prompt_token_ids["input_ids"] if hasattr(prompt_token_ids, "keys") else prompt_token_ids
+            if isinstance(ids, torch.Tensor):
+                ids = ids.tolist()
+            if ids and isinstance(ids[0], int):
+                ids = [ids]
+            mask = prompt_token_ids.get("attention_mask") if hasattr(prompt_token_ids, "get") else None
+            if mask is not None:
+                mask = mask.tolist() if isinstance(mask, torch.Tensor) else mask
+                ids = [[t for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, mask)]
+            ids = [list(map(int, row)) for row in ids]
+            if prompts and len(prompts) != len(ids):
+                raise ValueError(f"prompt_token_ids has {len(ids)} sequences but {len(prompts)} prompts were given")
+            return ids
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass prompt_token_ids (or tokenizer=...)")
+        kw = dict(tokenizer_kwargs or {})
+        return [list(self.tokenizer(p, **kw)["input_ids"]) for p in prompts]
+
+    def _prepare(self, prompts, sampling_params, prompt_token_ids, tokenizer_kwargs):
+        single = isinstance(prompts, str)
+        if prompts is None and prompt_token_ids is not None:
+            prompts_list: list[str | None] = []
+        elif single:
+            prompts_list = [prompts]
+        elif isinstance(prompts, (list, tuple)):
+            if not prompts:
+                raise ValueError("prompts must not be an empty list")
+            if not all(isinstance(p, str) for p in prompts):
+                raise TypeError("prompts must be a str or a list of str")
+            prompts_list = list(prompts)
+        else:
+            raise TypeError(f"prompts must be a str or a list of str, got {type(prompts).__name__}")
+        if tokenizer_kwargs is not None and not isinstance(tokenizer_kwargs, dict):
+            raise TypeError("tokenizer_kwargs must be a dict")
+        ids = self._encode(prompts_list, prompt_token_ids, tokenizer_kwargs)
+        if not prompts_list:
+            prompts_list = [None] * len(ids)
+            single = len(ids) == 1 and not isinstance(prompt_token_ids, list)
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(ids)
+        elif isinstance(sampling_params, (list, tuple)) and all(isinstance(p, SamplingParams) for p in sampling_params):
+            if len(sampling_params) != len(ids):
+                raise ValueError(f"got {len(sampling_params)} sampling_params for {len(ids)} prompts")
+            params = list(sampling_params)
+        else:
+            raise TypeError("sampling_params must be a SamplingParams or a list of them")
+        finals = []
+        for i, (row, p) in enumerate(zip(ids, params)):
+            if not row:
+                raise ValueError(f"prompts[{i}] is empty after tokenization")
+            p = p.clone()
+            p.verify_and_finalize_max_tokens(len(row), self.prompt_max_seq_len, self.max_seq_len_to_capture)
+            finals.append(p)
+        return single, prompts_list, ids, finals
+
+    def _step_and_dispatch(self) -> None:
+        with self._lock:
+            for out in self.engine.step():
+                self._pending.setdefault(out.request_id, []).append(out)
+
+    # -- public API ------------------------------------------------------------------------------
+    def generate(self, prompts: str | List[str], sampling_params: SamplingParams = SamplingParams(),  # noqa: B008
+                 prompt_token_ids=None, tokenizer_kwargs: Dict[str, Any] | None = None
+                 ) -> RequestOutput | List[RequestOutput]:
+        """Generate completions; a str prompt gives one RequestOutput, a list gives a list in order."""
+        engine = self._require_engine()
+        single, prompts_list, ids, params = self._prepare(prompts, sampling_params, prompt_token_ids,
+                                                          tokenizer_kwargs)
+        request_ids = []
+        for prompt, row, p in zip(prompts_list, ids, params):
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            rid = uuid.uuid4().hex
+            with self._lock:
+                engine.add_request(rid, row, p, prompt)
+            request_ids.append(rid)
+        results: dict[str, RequestOutput] = {}
+        try:
+            while len(results) < len(request_ids):
+                for rid in request_ids:
+                    for out in self._pending.pop(rid, ()):
+                        if out.finished:
+                            results[rid] = out
+                if len(results) < len(request_ids):
+                    self._step_and_dispatch()
+        except BaseException:
+            for rid in request_ids:
+                if rid not in results:
+                    engine.abort_request(rid)
+            raise
+        outputs = [results[r] for r in request_ids]
+        return outputs[0] if single else outputs
+
+    def chat(self, messages, sampling_params: SamplingParams = SamplingParams(),  # noqa: B008
+             chat_template: str | None = None, chat_template_content_format: Literal["string"] = "string",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: List[Dict[str, Any]] | None = None) -> List[RequestOutput]:
+        """Render conversations with the chat template and generate a reply for each."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be True")
+        if chat_template_content_format != "string":
+            raise ValueError(f"chat_template_content_format must be 'string', got {chat_template_content_format!r}")
+        if self.tokenizer is None:
+            raise ValueError("chat() needs a tokenizer; this model has none")
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty conversation or list of conversations")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        rendered = []
+        for i, conv in enumerate(conversations):
+            if not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
+                raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts")
+            text = self.tokenizer.apply_chat_template(
+                list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template, tools=tools)
+            if continue_final_message and self.tokenizer.eos_token and text.rstrip().endswith(self.tokenizer.eos_token):
+                text = text.rstrip()[: -len(self.tokenizer.eos_token)]
+            rendered.append(text)
+        return self.generate(rendered, sampling_params, tokenizer_kwargs={"add_special_tokens": False})
+
+    async def stream_generate(self, prompt: str, sampling_params: SamplingParams = SamplingParams(),  # noqa: B008
+                              prompt_token_ids=None, tokenizer_kwargs: Dict[str, Any] | None = None,
+                              is_demo: bool = False) -> AsyncGenerator[str, None]:
+        """Yield text deltas of one prompt as they are generated (UTF-8 safe)."""
+        engine = self._require_engine()
+        if not isinstance(prompt, str):
+            raise ValueError("stream_generate takes a single prompt string")
+        _, prompts_list, ids, params = self._prepare(prompt, sampling_params, prompt_token_ids, tokenizer_kwargs)
+        if is_demo and len(ids[0]) > 1024:
+            raise ValueError(f"demo prompts are limited to 1024 tokens, got {len(ids[0])}")
+        p = params[0]
+        p.output_kind = RequestOutputKind.DELTA
+        rid = uuid.uuid4().hex
+        with self._lock:
+            engine.add_request(rid, ids[0], p, prompt)
+        loop = asyncio.get_running_loop()
+        done = False
+        try:
+            while not done:
+                pending = self._pending.pop(rid, [])
+                if not pending:
+                    await loop.run_in_executor(None, self._step_and_dispatch)
+                    continue
+                for out in pending:
+                    delta = out.outputs[0].text
+                    if delta:
+                        yield delta
+                    done = done or out.finished
+        finally:
+            if not done:
+                with self._lock:
+                    engine.abort_request(rid)
+            self._pending.pop(rid, None)
+
+    # -- artifacts (issue 5) ---------------------------------------------------------------------
+    @classmethod
+    def load_artifact(cls, model_id_or_path, *, revision=None, devices=None, data_parallel_size=None,
+                      pipeline_parallel_size=None, num_blocks_per_pp_stage=None, bucket_config=None,
+                      scheduler_config=None, speculative_model=None, speculative_draft_data_parallel_size=None,
+                      speculative_draft_pipeline_parallel_size=None, speculative_draft_num_blocks_per_pp_stage=None,
+                      skip_speculative_model_load=False, tokenizer=None, tokenizer_mode="auto", seed=None,
+                      cache_dir=CACHE_DIR, skip_engine=False, **kwargs) -> "LLM":
+        raise _later("LLM.load_artifact", "issue 5, artifacts")
+
+    @classmethod
+    def load_artifacts(cls, path, **kwargs) -> "LLM":
+        warnings.warn("LLM.load_artifacts is deprecated; use LLM.load_artifact", DeprecationWarning, stacklevel=2)
+        return cls.load_artifact(path, **kwargs)
+
+    @classmethod
+    def from_artifacts(cls, path, bucket_config=None, speculative_model=None, num_speculative_tokens=None,
+                       speculative_model_bucket_config=None, use_speculative_decoding_if_possible=True,
+                       data_parallel_size=None, pipeline_parallel_size=None, num_blocks_per_pp_stage=None,
+                       tokenizer=None, tokenizer_mode="auto", seed=None, devices=None, cache_dir=CACHE_DIR,
+                       backend=None, paged_attention_num_blocks=None, scheduler_config=None,
+                       packing_type="IDENTITY", skip_engine=False, *, _cleanup=True, **kwargs) -> "LLM":
+        raise _later("LLM.from_artifacts", "issue 5, artifacts")
+
+    # -- introspection -----------------------------------------------------------------------------
+    def _get_splitted_gms(self) -> dict[str, list[torch.fx.GraphModule]]:
+        """The fx GraphModules of every pipeline (testing hook, as in furiosa)."""
+        return {p.name: [p.blobs[t.data_blob].graph for _, t in p.compute_supertasks()] for p in self.pipelines}
+
+    @property
+    def pass_history(self) -> list[dict]:
+        return list(self._build.context.history)
+
+    def __repr__(self) -> str:
+        return (f"LLM(model={self.model_id!r}, device={self._device}, buckets={len(self.buckets)}, "
+                f"kv_blocks={self.kv_cache_plan.num_blocks}x{self.kv_cache_plan.block_size})")
+
+
+__all__ = ["LLM", "ManualBucketConfig", "MinimalBucketConfig"]
