@@ -32,6 +32,8 @@ class EngineStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     padded_tokens: int = 0
+    interleaved_prefills: int = 0  # prefill steps that ran while other sequences were mid-decode
+    preemptions: int = 0
 
 
 @dataclass(eq=False)
@@ -125,6 +127,8 @@ class Engine:
         s.steps += 1
         real = sum(q.num_tokens for q in batch.seqs) if batch.is_prefill else len(batch.seqs)
         if batch.is_prefill:
+            if len(self.scheduler.running) > len(batch.seqs):
+                s.interleaved_prefills += 1
             s.prefill_steps += 1
             s.prompt_tokens += real
             s.padded_tokens += batch.bucket.batch_size * batch.bucket.attention_size - real
@@ -132,6 +136,7 @@ class Engine:
             s.decode_steps += 1
             s.padded_tokens += batch.bucket.batch_size - real
         s.generated_tokens += len(batch.seqs)
+        s.preemptions = self.scheduler.num_preemptions
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

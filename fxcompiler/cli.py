@@ -1,0 +1,152 @@
+"""``fxcompiler`` command line: ``generate`` and an interactive, streaming ``chat``."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+import time
+
+DEFAULT_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about compilers.",
+    "Explain paged attention in one sentence.",
+    "List three prime numbers:",
+]
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    from .models.sources import DEFAULT_MODEL_ID
+
+    p.add_argument("--model", "-m", default=DEFAULT_MODEL_ID,
+                   help=f"model id, HF-format directory or .gguf file (default: the embedded {DEFAULT_MODEL_ID})")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float64")
+    p.add_argument("--max-seq-len-to-capture", type=int, default=2048)
+    p.add_argument("--cache-dir", default=None, help="build/conversion cache (default ~/.cache/fxcompiler)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+
+
+def _sampling(args):
+    from .sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
+                          seed=args.seed)
+
+
+def _make_llm(args):
+    import torch
+
+    from .llm import LLM, CACHE_DIR
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
+              cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed)
+    print(f"[fxcompiler] {llm!r} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return llm
+
+
+def cmd_generate(args) -> int:
+    llm = _make_llm(args)
+    prompts = args.prompt or DEFAULT_PROMPTS
+    sp = _sampling(args)
+    if args.chat_template:
+        messages = [[{"role": "user", "content": p}] for p in prompts]
+        t0 = time.perf_counter()
+        outs = llm.chat(messages, sp)
+    else:
+        t0 = time.perf_counter()
+        outs = llm.generate(list(prompts), sp)
+    seconds = time.perf_counter() - t0
+    n_tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    for prompt, out in zip(prompts, outs):
+        print(f"### {prompt}\n{out.outputs[0].text}\n")
+    print(f"[fxcompiler] {len(outs)} prompts, {n_tokens} tokens in {seconds:.2f}s: "
+          f"{n_tokens / seconds:.1f} tokens/s", file=sys.stderr)
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from .sampling_params import SamplingParams
+
+    llm = _make_llm(args)
+    sp = _sampling(args)
+    history: list[dict] = []
+    if args.system:
+        history.append({"role": "system", "content": args.system})
+    print("[fxcompiler] chat: empty line or Ctrl-D to quit, /reset to clear history", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        history.append({"role": "user", "content": line})
+        prompt = llm.tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+        reply = []
+
+        async def stream():
+            async for delta in llm.stream_generate(prompt, SamplingParams.from_optional(
+                    max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k,
+                    min_p=sp.min_p, repetition_penalty=sp.repetition_penalty, seed=sp.seed),
+                    tokenizer_kwargs={"add_special_tokens": False}):
+                reply.append(delta)
+                print(delta, end="", flush=True)
+
+        t0 = time.perf_counter()
+        asyncio.run(stream())
+        print(f"\n[{time.perf_counter() - t0:.2f}s]", file=sys.stderr)
+        history.append({"role": "assistant", "content": "".join(reply)})
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxcompiler", description="fxcompiler: LLM inference as a graph compiler")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions and report tokens/s")
+    _add_model_args(g)
+    _add_sampling_args(g, 64)
+    g.add_argument("--prompt", "-p", action="append", help="prompt (repeatable); default: a few demo prompts")
+    g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat turn")
+    g.set_defaults(func=cmd_generate)
+    c = sub.add_parser("chat", help="interactive chat with streaming output")
+    _add_model_args(c)
+    _add_sampling_args(c, 256)
+    c.add_argument("--system", default=None, help="system prompt")
+    c.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, NotImplementedError) as exc:
+        print(f"fxcompiler: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

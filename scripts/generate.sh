@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The main job: generate on the embedded default model (SmolLM2-135M-Instruct) and print tokens/s.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup_env.sh
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+exec .venv/bin/fxcompiler generate "$@"

