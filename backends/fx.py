@@ -41,6 +41,13 @@ class FxExecutable:
 
 
 @register_backend("fx", "cpu")
+def compile_fx_cpu(pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device) -> FxExecutable:
+    from .cpu import attention
+
+    attention.install()  # C++ decode kernel for fxc::paged_attention (falls back to ATen with a warning)
+    return FxExecutable(pipeline, params, device)
+
+
 @register_backend("fx", "cuda")
-def compile_fx(pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device) -> FxExecutable:
+def compile_fx_cuda(pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device) -> FxExecutable:
     return FxExecutable(pipeline, params, device)

@@ -208,7 +208,7 @@ class PassManager:
         return gm
 
 
-DEFAULT_PASSES = ("strip_asserts", "fold_casts", "dce", "weight_layout", "dce")
+DEFAULT_PASSES = ("strip_asserts", "fold_casts", "dce", "weight_layout", "fuse_projections", "dce")
 
 
 def build_pass_list(options: dict[str, Any] | None = None) -> list[Pass]:

@@ -1,4 +1,4 @@
 """Built-in graph passes; importing this package registers each by name."""
-from . import cleanup, weight_layout  # noqa: F401
+from . import cleanup, fusion, weight_layout  # noqa: F401
 
-__all__ = ["cleanup", "weight_layout"]
+__all__ = ["cleanup", "fusion", "weight_layout"]

@@ -1,0 +1,82 @@
+"""CPU kernel for ``fxc::paged_attention`` (decode-shaped calls), built on first use.
+
+Decode is the hot path: one query token per sequence, called once per layer per
+step. The ATen reference (gather + SDPA) costs ~15 small ops a call; the C++ kernel
+walks the block table in place over the real context. Calls with more query tokens
+(prefill) keep the reference, which batches them as one SDPA.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+from fxcompiler.ops.paged_attention import paged_attention_reference
+
+from . import _build
+
+_SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+MAX_KERNEL_QUERY_TOKENS = 4  # beyond this, SDPA's blocked kernel wins
+_lock = threading.Lock()
+_state: dict = {"module": None, "tried": False, "error": None}
+_impl_lib = None
+
+
+def _load():
+    from torch.utils import cpp_extension
+
+    isa = _build.detect_isa()
+    if isa == "aten":
+        raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
+    flags = ["-O3", "-fopenmp", "-fno-math-errno"] + _build._FLAGS[isa]
+    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()
+    name = f"fxc_paged_attention_{isa}_{digest[:12]}"
+    build_dir = _build.cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", "2")
+    return cpp_extension.load(name=name, sources=[str(_SRC)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                              build_directory=str(build_dir), verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")))
+
+
+def kernel_module():
+    """The compiled module, or None (with one warning) when it cannot be built here."""
+    if _state["tried"]:
+        return _state["module"]
+    with _lock:
+        if not _state["tried"]:
+            try:
+                _state["module"] = _load()
+            except Exception as exc:  # compiler missing, build or load error
+                _state["error"] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"fxc::paged_attention CPU kernel unavailable ({str(exc).splitlines()[0][:200]}); "
+                              "using the ATen reference", RuntimeWarning, stacklevel=2)
+            finally:
+                _state["tried"] = True
+    return _state["module"]
+
+
+def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
+                        scale, sliding_window=-1, softcap=0.0):
+    mod = _state["module"]
+    if mod is not None and query.shape[2] <= MAX_KERNEL_QUERY_TOKENS and query.dtype == k_cache.dtype \
+            and key.dtype == k_cache.dtype:
+        return mod.paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
+                                       seq_lens, scale, sliding_window, softcap)
+    return paged_attention_reference(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
+                                     seq_lens, scale, sliding_window, softcap)
+
+
+def install() -> bool:
+    """Route CPU calls of ``fxc::paged_attention`` to the kernel; True when the kernel is active."""
+    global _impl_lib
+    if kernel_module() is None:
+        return False
+    with _lock:
+        if _impl_lib is None:
+            _impl_lib = torch.library.Library("fxc", "IMPL")
+            _impl_lib.impl("paged_attention", paged_attention_cpu, "CPU")
+    return True

@@ -1,0 +1,112 @@
+"""Fusion passes that cut the number of kernels a step dispatches.
+
+* ``fuse_rms_norm``: the decomposed RMSNorm transformers emits (``pow → mean → add eps →
+  rsqrt → mul x → mul weight``, with no dtype casts in between) becomes one
+  ``aten._fused_rms_norm``.
+* ``fuse_projections``: matmuls that read the same activation with different parameter
+  weights (q/k/v, gate/up) become one matmul with the weights concatenated along N,
+  followed by a split; one bigger GEMV streams memory better than three small ones.
+
+Requires: ``weight_layout`` has run (for ``fuse_projections``); ``meta["val"]`` on nodes.
+Ensures: the same function up to fp accumulation order. Signature: ``fuse_projections``
+replaces each group's weights by one concatenated parameter input.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch.fx import GraphModule, Node
+
+from fxcompiler.pass_manager import CompileContext, PassResult, register_pass
+
+aten = torch.ops.aten
+
+
+def _is(node, target) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target is target
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+@register_pass("fuse_rms_norm")
+class FuseRmsNormPass:
+    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
+        graph, fused = gm.graph, 0
+        for rsqrt in [n for n in graph.nodes if _is(n, aten.rsqrt.default)]:
+            add = rsqrt.args[0]
+            if not _is(add, aten.add.Tensor) or not isinstance(add.args[1], float):
+                continue
+            mean = add.args[0]
+            if not _is(mean, aten.mean.dim) or len(mean.args) < 3 or mean.args[2] is not True:
+                continue
+            pow_ = mean.args[0]
+            if not _is(pow_, aten.pow.Tensor_Scalar) or pow_.args[1] != 2:
+                continue
+            x = pow_.args[0]
+            xv = _val(x)
+            if xv is None or list(mean.args[1]) not in ([-1], [xv.dim() - 1]):
+                continue
+            muls = [u for u in rsqrt.users if _is(u, aten.mul.Tensor) and x in u.args]
+            if len(rsqrt.users) != 1 or len(muls) != 1 or len(muls[0].users) != 1:
+                continue
+            norm = muls[0]
+            scale = next(iter(norm.users))
+            if not _is(scale, aten.mul.Tensor):
+                continue
+            w = scale.args[0] if scale.args[1] is norm else scale.args[1]
+            wv = _val(w)
+            if wv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or wv.dtype != xv.dtype \
+                    or any(len(n.users) != 1 for n in (pow_, mean, add)):
+                continue
+            with graph.inserting_before(scale):
+                call = graph.call_function(aten._fused_rms_norm.default, (x, [int(xv.shape[-1])], w, add.args[1]))
+                out = graph.call_function(operator.getitem, (call, 0))
+            call.meta["val"] = (_val(scale), None)
+            out.meta["val"] = _val(scale)
+            scale.replace_all_uses_with(out)
+            for n in (scale, norm, rsqrt, add, mean, pow_):
+                graph.erase_node(n)
+            fused += 1
+        return PassResult(gm, fused > 0, {"fused": fused})
+
+
+@register_pass("fuse_projections")
+class FuseProjectionsPass:
+    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
+        graph = gm.graph
+        groups: dict[Node, list[Node]] = {}
+        for node in graph.nodes:
+            if _is(node, aten.matmul.default):
+                w = ctx.param_of(node.args[1])
+                if w is not None and w.dim() == 2:
+                    groups.setdefault(node.args[0], []).append(node)
+        fused = 0
+        for x, mms in groups.items():
+            if len(mms) < 2:
+                continue
+            weights = [ctx.param_of(m.args[1]) for m in mms]
+            if len({(w.shape[0], w.dtype) for w in weights}) != 1:
+                continue
+            names = [ctx.placeholder_spec(m.args[1]).target for m in mms]
+            cat = torch.cat(weights, dim=1).contiguous()
+            sizes = [int(w.shape[1]) for w in weights]
+            first = min(mms, key=lambda n: list(graph.nodes).index(n))
+            param = ctx.add_param_input(gm, "+".join(names), cat)
+            with graph.inserting_before(first):
+                mm = graph.call_function(aten.matmul.default, (x, param))
+                split = graph.call_function(aten.split_with_sizes.default, (mm, sizes, -1))
+                parts = [graph.call_function(operator.getitem, (split, i)) for i in range(len(mms))]
+            xv = _val(x)
+            if xv is not None:
+                mm.meta["val"] = xv.new_empty((*xv.shape[:-1], sum(sizes)))
+                split.meta["val"] = [xv.new_empty((*xv.shape[:-1], s)) for s in sizes]
+            for m, part in zip(mms, parts):
+                part.meta["val"] = _val(m)
+                m.replace_all_uses_with(part)
+                graph.erase_node(m)
+            fused += 1
+        dropped = ctx.drop_unused_params(gm)
+        return PassResult(gm, fused > 0, {"fused_groups": fused, "dropped_params": dropped})
