@@ -1,0 +1,157 @@
+"""Just-in-time build and loading of the C++ kernel library (``csrc/``).
+
+The library is compiled on first use with :func:`torch.utils.cpp_extension.load`
+into ``$FXCOMPILER_CACHE_DIR/kernels/<name>`` (default
+``~/.cache/fxcompiler/kernels/<name>``), where ``<name>`` encodes the ISA and a
+hash of the sources, the compile flags and the torch version, so a changed
+source or a different machine never reuses a stale binary.
+
+ISA selection: ``FXCOMPILER_CPU_ISA`` (``avx512`` | ``avx2`` | ``aten``) forces
+one; otherwise ``torch.backends.cpu.get_cpu_capability()`` decides (it already
+honours ``ATEN_CPU_CAPABILITY``).  ``aten`` (or a CPU without AVX2, or a failed
+build) means no C++ kernels: the ops then run their ATen fallback, and a single
+``warnings.warn`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = ("fxc_kernels.cpp",)
+
+_FLAGS = {
+    "avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma", "-mf16c", "-DFXC_AVX512"],
+    "avx2": ["-mavx2", "-mfma", "-mf16c", "-DFXC_AVX2"],
+}
+_COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
+_AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DFXC_AMX"]  # added to avx512 when the compiler knows them
+
+_lock = threading.RLock()
+_state: dict = {"tried": False, "isa": None, "amx": False, "error": None, "path": None}
+
+
+def detect_isa() -> str:
+    """The kernel ISA to use on this machine: 'avx512', 'avx2' or 'aten'."""
+    forced = os.environ.get("FXCOMPILER_CPU_ISA", "").strip().lower()
+    if forced:
+        if forced not in ("avx512", "avx2", "aten"):
+            raise ValueError(f"FXCOMPILER_CPU_ISA must be avx512, avx2 or aten, got {forced!r}")
+        return forced
+    try:
+        cap = torch.backends.cpu.get_cpu_capability()
+    except Exception:  # pragma: no cover - very old torch
+        cap = "DEFAULT"
+    cap = cap.upper()
+    if cap.startswith("AVX512"):
+        return "avx512"
+    if cap.startswith("AVX2"):
+        return "avx2"
+    return "aten"
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("FXCOMPILER_CACHE_DIR")
+    root = Path(base) if base else Path.home() / ".cache" / "fxcompiler"
+    return root / "kernels"
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX", "c++")
+
+
+def _compiler_accepts(flags: list[str]) -> bool:
+    try:
+        r = subprocess.run([_compiler(), *flags, "-x", "c++", "-E", "-o", os.devnull, os.devnull],
+                           capture_output=True, timeout=60)
+        return r.returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def compile_flags(isa: str) -> list[str]:
+    flags = _COMMON_FLAGS + _FLAGS[isa]
+    if isa == "avx512" and _compiler_accepts(_AMX_FLAGS[:2]):
+        flags = flags + _AMX_FLAGS
+    # extra flags for experiments (e.g. -DFXC_TUNE); part of the cache key like the others
+    return flags + os.environ.get("FXCOMPILER_KERNEL_CFLAGS", "").split()
+
+
+def build_name(isa: str, flags: list[str]) -> str:
+    h = hashlib.sha256()
+    for src in _SOURCES:
+        h.update(src.encode())
+        h.update((_CSRC / src).read_bytes())
+    h.update(" ".join(flags).encode())
+    h.update(torch.__version__.encode())
+    return f"fxc_cpu_{isa}_{h.hexdigest()[:12]}"
+
+
+def _build_and_load(isa: str) -> str:
+    from torch.utils import cpp_extension
+
+    flags = compile_flags(isa)
+    name = build_name(isa, flags)
+    build_dir = cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("MAX_JOBS", "2")
+    # Loads the shared library into the process (registers the CPU kernels).
+    cpp_extension.load(
+        name=name,
+        sources=[str(_CSRC / s) for s in _SOURCES],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")),
+    )
+    lib_path = build_dir / f"{name}.so"
+    lib = ctypes.CDLL(str(lib_path))
+    lib.fxc_kernels_isa.restype = ctypes.c_char_p
+    compiled = lib.fxc_kernels_isa().decode()
+    if compiled != isa:  # pragma: no cover - would be a build-system bug
+        raise RuntimeError(f"library reports ISA {compiled!r}, expected {isa!r}")
+    _state["amx"] = bool(lib.fxc_kernels_amx())
+    return str(lib_path)
+
+
+def ensure_loaded() -> bool:
+    """Build (once per process) and load the kernels. True when the C++ kernels are active."""
+    if _state["tried"]:
+        return _state["isa"] is not None
+    with _lock:
+        if _state["tried"]:
+            return _state["isa"] is not None
+        isa = detect_isa()
+        try:
+            if isa == "aten":
+                raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
+            _state["path"] = _build_and_load(isa)
+            _state["isa"] = isa
+        except Exception as e:  # compiler missing, build error, load error
+            _state["error"] = f"{type(e).__name__}: {e}"
+            msg = str(e).strip().splitlines()
+            short = msg[0] if msg else type(e).__name__
+            if isa == "aten":
+                # A deliberate choice, not a failure: only warn when it was not forced.
+                if os.environ.get("FXCOMPILER_CPU_ISA", "").strip().lower() != "aten":
+                    warnings.warn(f"fxcompiler CPU kernels unavailable ({short}); using the ATen fallback",
+                                  RuntimeWarning, stacklevel=3)
+            else:
+                warnings.warn(f"fxcompiler CPU kernels failed to build/load for {isa} ({type(e).__name__}: "
+                              f"{short[:300]}); using the ATen fallback", RuntimeWarning, stacklevel=3)
+        finally:
+            _state["tried"] = True
+        return _state["isa"] is not None
+
+
+def state() -> dict:
+    return dict(_state)

@@ -1,0 +1,157 @@
+"""Benchmark the fxc CPU linear kernels against torch in the same run.
+
+    python benchmarks/kernels.py            # SmolLM2 shapes, M = 1, 16, 64, fp32/bf16/int8
+    python benchmarks/kernels.py --quick    # fewer shapes / shorter timing
+    python benchmarks/kernels.py --pool-mb 0   # "hot": one weight, may sit in L2/L3
+
+GB/s counts the weight bytes only (N*K*elem_size; int8 = 1 byte, scales excluded),
+GFLOP/s = 2*M*N*K / time.  By default each candidate cycles through enough copies of
+its weight (``--pool-mb``, per candidate) that a weight is evicted from the
+caches before it is used again, as in a decode step that streams the whole model.
+Times are medians of per-call times (perf_counter) after warm-up, 2 threads.
+
+Candidates:
+  fp32: fxc.linear, torch.mm(x, W^T pre-transposed), F.linear(x, W), mkl packed (inductor freezing, fp32)
+  bf16: fxc.linear, torch.mm(x, W^T), F.linear(x, W), oneDNN packed (mkldnn._linear_pointwise)
+  int8: fxc.linear_w8 (per channel, and group 64), aten._weight_int8pack_mm (per channel)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+import backends.cpu as fxc  # noqa: E402
+
+SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]  # (K, N), SmolLM2-135M
+QUICK_SHAPES = [(576, 1536), (1536, 576), (576, 49152)]
+
+
+def timeit(fn, argsets, min_time: float) -> float:
+    """Median seconds per call, cycling through argsets."""
+    for a in argsets[: min(3, len(argsets))]:
+        fn(*a)
+    ts = []
+    i = 0
+    t_end = time.perf_counter() + min_time
+    while time.perf_counter() < t_end or len(ts) < 5:
+        a = argsets[i % len(argsets)]
+        t = time.perf_counter()
+        fn(*a)
+        ts.append(time.perf_counter() - t)
+        i += 1
+    ts.sort()
+    return ts[len(ts) // 2]
+
+
+def copies_for(nbytes: int, pool_mb: int) -> int:
+    if pool_mb <= 0:
+        return 1
+    return max(1, min(2000, -(-pool_mb * 2**20 // nbytes)))
+
+
+def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
+    """Yield (name, make_fn(m) -> (fn, argsets)) for one shape and weight dtype."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=g) / k**0.5
+    if dtype_name in ("fp32", "bf16"):
+        dt = torch.float32 if dtype_name == "fp32" else torch.bfloat16
+        es = 4 if dt == torch.float32 else 2
+        c = copies_for(n * k * es, pool_mb)
+        wd = w.to(dt)
+        wps = [fxc.pack_linear_weight(wd, dt) for _ in range(c)]
+        yield "fxc.linear", lambda x: (lambda wp: torch.ops.fxc.linear(x, wp, None, n), [(p,) for p in wps])
+        del wps
+        wts = [wd.t().contiguous() for _ in range(c)]
+        yield "torch.mm(W^T)", lambda x: (lambda wt: torch.mm(x, wt), [(t,) for t in wts])
+        del wts
+        ws = [wd.clone() for _ in range(c)]
+        yield "F.linear", lambda x: (lambda ww: F.linear(x, ww), [(t,) for t in ws])
+        if dt == torch.float32 and torch._C.has_mkl:
+            def mkl(x, ws=ws):
+                m = x.shape[0]
+                pk = [(torch.ops.mkl._mkl_reorder_linear_weight(t, m), t) for t in ws]
+                return (lambda p, t: torch.ops.mkl._mkl_linear(x, p, t, None, m), pk)
+            yield "mkl packed", mkl
+        if dt == torch.bfloat16 and torch.backends.mkldnn.is_available():
+            def onednn(x, ws=ws):
+                pk = [torch.ops.mkldnn._reorder_linear_weight(t, x.shape[0]) for t in ws]
+                return (lambda p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), [(p,) for p in pk])
+            yield "oneDNN packed", onednn
+        del ws
+    else:
+        c = copies_for(n * k, pool_mb)
+        for gs in (-1, 64):
+            q, s = fxc.quantize_linear_weight_int8(w, gs)
+            qs = [q.clone() for _ in range(c)]
+            yield (f"fxc.linear_w8 g{gs if gs > 0 else 'ch'}",
+                   lambda x, qs=qs, s=s, gs=gs: (lambda qq: torch.ops.fxc.linear_w8(x, qq, s, None, n, gs),
+                                                 [(t,) for t in qs]))
+            del qs
+        q8 = torch.clamp(torch.round(w / (w.abs().amax(1, keepdim=True) / 127)), -127, 127).to(torch.int8)
+        sc = (w.abs().amax(1) / 127).contiguous()
+        q8s = [q8.clone() for _ in range(c)]
+        yield "aten._weight_int8pack_mm", lambda x: (
+            lambda qq: torch.ops.aten._weight_int8pack_mm(x, qq, sc.to(x.dtype)), [(t,) for t in q8s])
+        del q8s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="3 shapes, M=1 and 16, short timing")
+    ap.add_argument("--m", default=None, help="comma separated M values (default 1,16,64)")
+    ap.add_argument("--dtypes", default="fp32,bf16,int8")
+    ap.add_argument("--shapes", default=None, help="K:N,K:N,... (default SmolLM2 shapes)")
+    ap.add_argument("--pool-mb", type=int, default=None,
+                    help="weight bytes cycled per candidate (default 256; 0 = one hot weight)")
+    ap.add_argument("--time", type=float, default=None, help="seconds per measurement")
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    m_list = [int(v) for v in (args.m or ("1,16" if args.quick else "1,16,64")).split(",")]
+    shapes = ([tuple(int(t) for t in s.split(":")) for s in args.shapes.split(",")] if args.shapes
+              else (QUICK_SHAPES if args.quick else SHAPES))
+    pool_mb = args.pool_mb if args.pool_mb is not None else (128 if args.quick else 256)
+    min_time = args.time if args.time is not None else (0.08 if args.quick else 0.15)
+
+    t0 = time.perf_counter()
+    ok = fxc.kernels_available()
+    print(f"# fxc kernels: {ok} isa={fxc.isa()} (build/load {time.perf_counter() - t0:.1f}s), torch {torch.__version__}, "
+          f"threads={args.threads}, pool={pool_mb} MB/candidate, {min_time}s/measurement")
+    print(f"{'dtype':5} {'K':>5} {'N':>6} {'M':>3}  {'candidate':26} {'us':>9} {'GB/s':>7} {'GFLOP/s':>8}  vs best torch")
+    for dtype_name in args.dtypes.split(","):
+        es = {"fp32": 4, "bf16": 2, "int8": 1}[dtype_name]
+        for k, n in shapes:
+            rows = {m: [] for m in m_list}
+            for name, make in candidates(dtype_name, k, n, m_list, pool_mb):
+                for m in m_list:
+                    xdt = torch.bfloat16 if (dtype_name == "bf16" and not name.startswith("fxc")) else torch.float32
+                    if name.startswith("aten._weight_int8pack_mm"):
+                        xdt = torch.bfloat16  # its fp32-activation kernel is far slower on CPU
+                    x = torch.randn(m, k).to(xdt)
+                    fn, argsets = make(x)
+                    t = timeit(fn, argsets, min_time)
+                    rows[m].append((name, t))
+                    del fn, argsets
+            for m in m_list:
+                best_torch = min((t for nm, t in rows[m] if not nm.startswith("fxc")), default=float("nan"))
+                for name, t in rows[m]:
+                    gbs = n * k * es / t / 1e9
+                    gf = 2 * m * n * k / t / 1e9
+                    rel = f"{best_torch / t:5.2f}x" if name.startswith("fxc") else ""
+                    print(f"{dtype_name:5} {k:5d} {n:6d} {m:3d}  {name:26} {t * 1e6:9.1f} {gbs:7.1f} {gf:8.1f}  {rel}",
+                          flush=True)
+    print(f"# total {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,228 @@
+"""Property tests of the fxc CPU kernels (backends/cpu) against float64 ATen references.
+
+Tolerances: the kernels accumulate in fp32 in a different order than the reference, so the
+error bound scales with sum_k |x_k w_k| (``absdot``): |y - ref| <= 1e-4 * absdot (fp32 output).
+A bf16 output adds its own rounding: 2^-8 |ref|.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import backends.cpu as fxc
+from backends.cpu import _build
+
+ROOT = Path(__file__).resolve().parents[3]
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    fxc.kernels_available()  # the first compile happens here, not inside a hypothesis example
+
+
+def _expect_kernels() -> bool:
+    return _build.detect_isa() != "aten" and shutil.which(os.environ.get("CXX", "c++")) is not None
+
+
+def _rand(*shape, seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def _check(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, bias: torch.Tensor | None):
+    """y vs float64 reference x @ w64^T + bias."""
+    x64 = x.double()
+    ref = x64 @ w64.T
+    absdot = x64.abs() @ w64.abs().T
+    if bias is not None:
+        ref = ref + bias.double()
+        absdot = absdot + bias.double().abs()
+    assert y.shape == ref.shape
+    assert y.dtype == x.dtype
+    tol = 1e-4 * absdot + 1e-6
+    if y.dtype == torch.bfloat16:
+        tol = tol + 2.0**-8 * ref.abs()
+    err = (y.double() - ref).abs()
+    bad = err > tol
+    assert not bad.any(), f"max err {err.max().item():.3g}, {bad.sum().item()} elements out of tolerance"
+
+
+def test_kernels_built():
+    if not _expect_kernels():
+        pytest.skip("no C++ compiler / no AVX2 on this machine: ATen fallback is in use")
+    assert fxc.kernels_available(), _build.state()["error"]
+    assert fxc.isa() in ("avx512", "avx512+amx", "avx2")
+
+
+@st.composite
+def problems(draw):
+    m = draw(st.integers(1, 64))
+    k = draw(st.one_of(st.integers(1, 300), st.sampled_from([16, 32, 64, 96, 576])))
+    n = draw(st.one_of(st.integers(1, 200), st.sampled_from([16, 32, 48, 192])))
+    return m, k, n, draw(st.integers(0, 2**31 - 1))
+
+
+@SETTINGS
+@given(problems(), st.sampled_from(["fp32", "bf16", "bf16-xbf16", "fp32-xbf16"]), st.booleans(), st.booleans())
+def test_linear_matches_reference(prob, mode, with_bias, batched):
+    m, k, n, seed = prob
+    wdt = torch.float32 if mode.startswith("fp32") else torch.bfloat16
+    xdt = torch.bfloat16 if mode.endswith("xbf16") else torch.float32
+    w = _rand(n, k, seed=seed)
+    x = _rand(m, k, seed=seed + 1, dtype=xdt)
+    bias = _rand(n, seed=seed + 2) if with_bias else None
+    wp = fxc.pack_linear_weight(w, wdt)
+    if batched and m % 2 == 0:
+        y = torch.ops.fxc.linear(x.reshape(2, m // 2, k), wp, bias, n).reshape(m, n)
+    else:
+        y = torch.ops.fxc.linear(x, wp, bias, n)
+    _check(y, x, w.to(wdt).double(), bias)
+
+
+@SETTINGS
+@given(problems(), st.sampled_from([-1, 32, 64, 128, "K"]), st.booleans(), st.booleans())
+def test_linear_w8_matches_dequantised_reference(prob, group, with_bias, xbf16):
+    m, k, n, seed = prob
+    if group == "K":
+        group = k
+    elif group > 0:
+        k = max(1, k // group) * group  # K must be a multiple of the group size
+    w = _rand(n, k, seed=seed)
+    x = _rand(m, k, seed=seed + 1, dtype=torch.bfloat16 if xbf16 else torch.float32)
+    bias = _rand(n, seed=seed + 2) if with_bias else None
+    q, s = fxc.quantize_linear_weight_int8(w, group)
+    y = torch.ops.fxc.linear_w8(x, q, s, bias, n, group)
+    wd = fxc.dequantize_linear_weight_int8(q, s, n, group)
+    _check(y, x, wd.double(), bias)
+    # the quantisation itself: |w - dequant(q)| <= scale / 2
+    if group in (-1, k):
+        step = s[:n, None]
+    else:
+        step = s.permute(0, 2, 1).reshape(-1, k // group)[:n].repeat_interleave(group, 1)
+    assert ((wd - w).abs() <= step / 2 + 1e-6).all()
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 100), st.integers(1, 100), st.sampled_from([torch.float32, torch.bfloat16]))
+def test_aten_fallback_matches_kernel(m, k, n, wdt):
+    w, x, b = _rand(n, k, seed=m), _rand(m, k, seed=k), _rand(n, seed=n)
+    wp = fxc.pack_linear_weight(w, wdt)
+    torch.testing.assert_close(fxc.linear_aten(x, wp, b, n), torch.ops.fxc.linear(x, wp, b, n), rtol=1e-4, atol=1e-4)
+    q, s = fxc.quantize_linear_weight_int8(w)
+    torch.testing.assert_close(fxc.linear_w8_aten(x, q, s, b, n, -1), torch.ops.fxc.linear_w8(x, q, s, b, n, -1),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_unpack_roundtrip(dtype):
+    w = _rand(45, 33, seed=0, dtype=dtype)
+    wp = fxc.pack_linear_weight(w, dtype)
+    assert wp.shape[0] == 2
+    assert torch.equal(fxc.unpack_linear_weight(wp, 45, 33), w)
+
+
+def test_noncontiguous_and_empty_inputs():
+    w, b = _rand(40, 24, seed=3), _rand(40, seed=4)
+    wp = fxc.pack_linear_weight(w)
+    x = _rand(24, 5, seed=5).T  # non-contiguous [5, 24]
+    torch.testing.assert_close(torch.ops.fxc.linear(x, wp, b, 40), F.linear(x, w, b), rtol=1e-4, atol=1e-4)
+    assert torch.ops.fxc.linear(torch.empty(0, 24), wp, b, 40).shape == (0, 40)
+    with pytest.raises(RuntimeError):
+        torch.ops.fxc.linear(_rand(2, 23, seed=0), wp, b, 40)  # wrong K
+
+
+class _Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        w = _rand(48, 40, seed=7)
+        self.register_buffer("wp", fxc.pack_linear_weight(w, torch.bfloat16))
+        self.register_buffer("b", _rand(48, seed=8))
+        q, s = fxc.quantize_linear_weight_int8(_rand(16, 48, seed=9), 16)
+        self.register_buffer("q", q)
+        self.register_buffer("s", s)
+
+    def forward(self, x):
+        h = torch.relu(torch.ops.fxc.linear(x, self.wp, self.b, 48))
+        return torch.ops.fxc.linear_w8(h, self.q, self.s, None, 16, 16)
+
+
+def test_export_keeps_single_nodes():
+    mod = _Tiny().eval()
+    x = _rand(3, 40, seed=10)
+    ep = torch.export.export(mod, (x,), strict=False)
+    targets = [n.target for n in ep.graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fxc.linear.default) == 1
+    assert targets.count(torch.ops.fxc.linear_w8.default) == 1
+    assert not any("mm" in str(t) or "addmm" in str(t) for t in targets)
+    torch.testing.assert_close(ep.module()(x), mod(x))
+    x2 = _rand(5, 40, seed=11)  # dynamic M
+    ep_dyn = torch.export.export(mod, (x,), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=256)},),
+                                 strict=False)
+    torch.testing.assert_close(ep_dyn.module()(x2), mod(x2))
+
+
+def _run_py(code: str, env_extra: dict) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **env_extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_failed_build_falls_back_with_one_warning(tmp_path):
+    code = """
+        import warnings, torch, torch.nn.functional as F
+        import backends.cpu as fxc
+        w, x = torch.randn(20, 30), torch.randn(3, 30)
+        wp = fxc.pack_linear_weight(w)
+        with warnings.catch_warnings(record=True) as rec:
+            warnings.simplefilter("always")
+            ys = [torch.ops.fxc.linear(x, wp, None, 20) for _ in range(3)]
+            ok = fxc.kernels_available()
+        msgs = [str(r.message) for r in rec if "fxcompiler" in str(r.message)]
+        assert len(msgs) == 1, msgs
+        assert not ok and fxc.isa() == "aten"
+        torch.testing.assert_close(ys[0], F.linear(x, w), rtol=1e-4, atol=1e-4)
+        print("OK", msgs[0])
+    """
+    r = _run_py(code, {"CXX": str(tmp_path / "no-such-compiler"), "FXCOMPILER_CACHE_DIR": str(tmp_path),
+                       "FXCOMPILER_CPU_ISA": ""})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+
+
+@pytest.mark.skipif(not _expect_kernels() or _build.detect_isa() != "avx512",
+                    reason="needs the AVX-512 machine to also exercise the AVX2 build")
+def test_avx2_build_matches_reference():
+    """The AVX2 variant (used on CPUs without AVX-512), built and checked in a subprocess."""
+    code = """
+        import torch
+        import backends.cpu as fxc
+        assert fxc.isa() == "avx2", fxc.isa()
+        torch.manual_seed(0)
+        for m, k, n in [(1, 77, 50), (3, 64, 32), (5, 130, 70), (17, 33, 100)]:
+            w, x, b = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
+            for dt in (torch.float32, torch.bfloat16):
+                wr = w.to(dt).double()
+                y = torch.ops.fxc.linear(x, fxc.pack_linear_weight(w, dt), b, n)
+                torch.testing.assert_close(y.double(), x.double() @ wr.T + b.double(), rtol=1e-4, atol=1e-4)
+            for g in (-1, k if k % 32 else 32):
+                kk = k - k % g if g > 0 else k
+                q, s = fxc.quantize_linear_weight_int8(w[:, :kk], g)
+                y = torch.ops.fxc.linear_w8(x[:, :kk], q, s, b, n, g)
+                wd = fxc.dequantize_linear_weight_int8(q, s, n, g).double()
+                torch.testing.assert_close(y.double(), x[:, :kk].double() @ wd.T + b.double(), rtol=1e-4, atol=1e-4)
+        print("OK")
+    """
+    r = _run_py(code, {"FXCOMPILER_CPU_ISA": "avx2"})
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
