@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from .capture import CapturedProgram, capture
+from .capture import CapturedProgram
 from .config import SchedulerConfig
 from .pipeline import Bucket, ParamFileInfo, Pipeline
 from .pipeline_builder import BuildResult, build_pipelines
@@ -77,20 +77,23 @@ def _shares_storage(t: torch.Tensor, params: dict[str, torch.Tensor], name: str)
     return any(k != name and v.untyped_storage().data_ptr() == ptr for k, v in params.items())
 
 
-def build(model: torch.nn.Module, model_name: str, buckets: list[Bucket], *, block_size: int, device: torch.device,
-          kind: str, options: dict[str, Any], param_file_path=None, param_saved_format="safetensors"
-          ) -> tuple[CapturedProgram, BuildResult]:
-    """Capture ``model`` and build one pipeline per bucket (params optionally written to a file)."""
+def build(captured: CapturedProgram, model_name: str, buckets: list[Bucket], *, block_size: int,
+          device: torch.device, kind: str, options: dict[str, Any], param_file_path=None,
+          param_saved_format="safetensors") -> BuildResult:
+    """Build one pipeline per bucket from a captured program (params optionally written to a file).
+
+    The pipelines take ownership of ``captured.params``: drop every other reference to the
+    model first, so that passes which re-lay weights out free the originals as they go.
+    """
     t0 = time.perf_counter()
-    captured = capture(model, block_size=block_size)
     result = build_pipelines(captured, buckets, model_name, kind=kind, device=str(device), block_size=block_size,
                              options=options)
     if param_file_path is not None:
         info = save_params(result.params, param_file_path, param_saved_format)
         for p in result.pipelines:
             p.param_files = {k: info for k in p.param_files}
-    log.info("capture + build: %.1fs", time.perf_counter() - t0)
-    return captured, result
+    log.info("build: %.1fs", time.perf_counter() - t0)
+    return result
 
 
 def start_engine(captured: CapturedProgram, result: BuildResult, *, prefill_buckets: list[Bucket],

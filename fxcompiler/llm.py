@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
@@ -227,7 +228,6 @@ class LLM:
         self.model_config = loaded.config
         self.generation_config = loaded.generation_config
         self.tokenizer = load_tokenizer(loaded.model_dir, tokenizer, tokenizer_mode, trust_remote_code)
-        self._hf_model = loaded.model.to(self._device)
 
         max_pos = getattr(loaded.config, "max_position_embeddings", None) or getattr(loaded.config, "n_positions", None)
         if max_pos is not None and max_seq_len_to_capture > max_pos:
@@ -260,10 +260,14 @@ class LLM:
 
         # -- build ---------------------------------------------------------------------------------
         from .build import build, plan_kv_cache, start_engine
+        from .capture import capture
 
         options = dict(compiler_config_overrides or {})
-        self._captured, self._build = build(
-            self._hf_model, self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
+        self._captured = capture(loaded.model.to(self._device), block_size=paged_attention_block_size)
+        loaded.model = None  # the captured program owns the weights now; passes free what they replace
+        gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
+        self._build = build(
+            self._captured, self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
             kind=self.comp_supertask_kind, options=options, param_file_path=param_file_path,
             param_saved_format=param_saved_format)
         self.pipelines = self._build.pipelines
@@ -279,9 +283,6 @@ class LLM:
                 self._captured, self._build, prefill_buckets=prefill, decode_buckets=decode,
                 scheduler_config=scheduler_config, kv=self.kv_cache_plan, device=self._device,
                 tokenizer=self.tokenizer, eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
-        # The captured program holds the weights now; drop the eager model (and its layouts).
-        del self._hf_model
-        self._captured.params.clear()
         self._lock = threading.Lock()
         self._pending: dict[str, list[RequestOutput]] = {}
 

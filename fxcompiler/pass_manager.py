@@ -43,7 +43,7 @@ class CompileContext:
         for spec in self.input_specs:
             if spec.name == node.name:
                 return spec
-        return None
+        return None  # a linear scan: graphs have a few hundred inputs and passes call this per node
 
     def param_of(self, node: torch.fx.Node) -> torch.Tensor | None:
         """The parameter value behind a placeholder node, or None for user inputs/other nodes."""
@@ -65,19 +65,21 @@ class CompileContext:
         self.params[target] = value
         return node
 
+    def drop_param_if_unused(self, gm: GraphModule, node: torch.fx.Node) -> bool:
+        """Erase a parameter placeholder nobody reads any more and release its value now
+        (so a pass that re-lays weights out never holds two copies of the model)."""
+        spec = self.placeholder_spec(node) if node.op == "placeholder" else None
+        if spec is None or spec.kind != "param" or node.users:
+            return False
+        gm.graph.erase_node(node)
+        self.input_specs.remove(spec)
+        if not any(s.target == spec.target for s in self.input_specs):
+            self.params.pop(spec.target, None)
+        return True
+
     def drop_unused_params(self, gm: GraphModule) -> int:
         """Remove parameter placeholders without users (and their values); returns how many."""
-        removed = 0
-        for node in list(gm.graph.nodes):
-            if node.op == "placeholder" and not node.users:
-                spec = self.placeholder_spec(node)
-                if spec is not None and spec.kind == "param":
-                    gm.graph.erase_node(node)
-                    self.input_specs.remove(spec)
-                    if not any(s.target == spec.target for s in self.input_specs):
-                        self.params.pop(spec.target, None)
-                    removed += 1
-        return removed
+        return sum(self.drop_param_if_unused(gm, n) for n in list(gm.graph.nodes) if n.op == "placeholder")
 
 
 def _sanitize(target: str) -> str:

@@ -38,11 +38,45 @@ class BuildResult:
 
 def optimise(captured: CapturedProgram, options: dict[str, Any] | None = None,
              instruments=None) -> tuple[torch.fx.GraphModule, CompileContext]:
-    """Run the configured pass list over the captured graph."""
-    ctx = CompileContext(list(captured.input_specs), dict(captured.params), captured.geometry, dict(options or {}))
+    """Run the configured pass list over the captured graph (the context takes over its parameters)."""
+    ctx = CompileContext(list(captured.input_specs), captured.params, captured.geometry, dict(options or {}))
+    captured.params = {}
+    loaded = {t.untyped_storage().data_ptr() for t in ctx.params.values()}
     manager = PassManager(build_pass_list(options), instruments=instruments)
     gm = manager(captured.graph_module, ctx)
+    compact_params(ctx.params, loaded)
+    release_free_memory()
     return gm, ctx
+
+
+def release_free_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them after the passes' churn)."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def compact_params(params: dict[str, torch.Tensor], loaded: set[int]) -> int:
+    """Copy the parameters no pass replaced into memory of their own.
+
+    Checkpoint tensors are views into the mmap of the whole weights file; while one of
+    them lives (the embedding, the norms) the whole mapping and every page the passes
+    read stay resident. Copying the survivors releases it. Returns the bytes copied."""
+    copied, done = 0, {}
+    for name, t in params.items():
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in loaded:
+            key = (ptr, t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+            if key not in done:
+                done[key] = t.clone(memory_format=torch.contiguous_format)
+                copied += t.numel() * t.element_size()
+            params[name] = done[key]
+    return copied
 
 
 def _user_tensor_infos(ctx: CompileContext, bucket: Bucket, block_size: int) -> dict[str, TensorInfo]:

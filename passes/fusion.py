@@ -91,8 +91,9 @@ class FuseProjectionsPass:
             if len({(w.shape[0], w.dtype) for w in weights}) != 1:
                 continue
             names = [ctx.placeholder_spec(m.args[1]).target for m in mms]
-            cat = torch.cat(weights, dim=1).contiguous()
             sizes = [int(w.shape[1]) for w in weights]
+            cat = torch.cat(weights, dim=1)
+            del weights
             first = min(mms, key=lambda n: list(graph.nodes).index(n))
             param = ctx.add_param_input(gm, "+".join(names), cat)
             with graph.inserting_before(first):
@@ -106,7 +107,9 @@ class FuseProjectionsPass:
             for m, part in zip(mms, parts):
                 part.meta["val"] = _val(m)
                 m.replace_all_uses_with(part)
+                w = m.args[1]
                 graph.erase_node(m)
+                ctx.drop_param_if_unused(gm, w)
             fused += 1
         dropped = ctx.drop_unused_params(gm)
         return PassResult(gm, fused > 0, {"fused_groups": fused, "dropped_params": dropped})

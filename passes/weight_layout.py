@@ -45,6 +45,7 @@ class WeightLayoutPass:
                     out.meta["val"] = node.meta.get("val")
             node.replace_all_uses_with(out)
             graph.erase_node(node)
+            ctx.drop_param_if_unused(gm, w)
             rewritten += 1
         dropped = ctx.drop_unused_params(gm)
         return PassResult(gm, rewritten > 0, {"rewritten": rewritten, "dropped_params": dropped})

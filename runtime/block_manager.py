@@ -15,14 +15,31 @@ from .sequence import Sequence
 NULL_BLOCK = 0
 
 
+def _lazy_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU buffer whose pages are only made resident when written.
+
+    ``torch.zeros`` writes every byte (a 1 GiB cache would be 1 GiB of RSS at once);
+    ``calloc`` of a large block maps fresh zero pages lazily. Zero (not garbage) matters:
+    masked-out cache slots are still read by the reference attention."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(numel * itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype)
+
+
 class PagedKVCache:
-    """The cache tensors themselves (allocated zeroed; pages are touched only as used)."""
+    """The cache tensors themselves, one buffer for all layers (zeroed, resident as used)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        per = num_blocks * block_size * num_kv_heads * head_dim
+        if torch.device(device).type == "cpu":
+            buf = _lazy_zeros(2 * num_layers * per, dtype)
+        else:
+            buf = torch.zeros(2 * num_layers * per, dtype=dtype, device=device)
+        views = buf.view(2, num_layers, *shape)
+        self.k = list(views[0].unbind(0))
+        self.v = list(views[1].unbind(0))
         self.num_blocks, self.block_size = num_blocks, block_size
 
     @staticmethod

@@ -147,9 +147,11 @@ def load_model(
                 torch.manual_seed(0 if seed is None else seed)
                 model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=target_dtype)
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                str(model_dir), config=config, dtype=target_dtype, local_files_only=True,
-                trust_remote_code=trust_remote_code)
+            model = _from_private_state_dict(model_dir, config, target_dtype, trust_remote_code)
+            if model is None:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(model_dir), config=config, dtype=target_dtype, local_files_only=True,
+                    trust_remote_code=trust_remote_code)
     model = model.to(target_dtype).eval()
     model.requires_grad_(False)
     try:
@@ -157,6 +159,24 @@ def load_model(
     except (OSError, ValueError):
         generation_config = GenerationConfig.from_model_config(config)
     return LoadedModel(model, config, generation_config, source.model_id, model_dir)
+
+
+def _from_private_state_dict(model_dir: Path, config, dtype: torch.dtype, trust_remote_code: bool):
+    """Load a safetensors checkpoint into private memory and hand it to transformers (no copy).
+
+    Returns None when this path does not apply (no safetensors files, remote-code classes)."""
+    from transformers import AutoModelForCausalLM
+
+    from .safetensors_reader import read_safetensors
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    cls = AutoModelForCausalLM._model_mapping.get(type(config), None) if not trust_remote_code else None
+    if not files or cls is None:
+        return None
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(read_safetensors(f))
+    return cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
 
 
 def load_tokenizer(model_dir: Path, tokenizer: Any = None, tokenizer_mode: str = "auto",

@@ -1,0 +1,172 @@
+"""fxcompiler vs transformers, side by side in one process, same weights and threads.
+
+Measures batch-1 time-to-first-token and decode tokens/s, and the throughput of N
+requests with prompts of mixed length (transformers: one padded static batch through
+``generate``; fxcompiler: continuous batching through ``LLM.generate``). Reports ratios.
+Peak RSS of fxcompiler alone is measured in a child process.
+
+    .venv/bin/python benchmarks/throughput.py            # SmolLM2-135M, fp32, 2 threads
+    .venv/bin/python benchmarks/throughput.py --quick    # fewer tokens/requests
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TEXT = (
+    "The history of computing is a story of abstractions. Early machines were programmed by rewiring, then by "
+    "punched cards, then by assembly language, and finally by high-level languages whose compilers translate "
+    "human intent into instructions. Modern machine learning systems repeat this pattern: a model is written "
+    "in a framework, captured as a graph, optimised by passes, and lowered to kernels that run on a device. "
+    "Each layer hides the one below it, and each layer must be correct for the whole to work. "
+) * 8
+
+
+def prompts_of_mixed_length(tokenizer, n: int, lo: int, hi: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    ids = tokenizer(TEXT)["input_ids"]
+    out = []
+    for _ in range(n):
+        start = rng.randrange(0, len(ids) - hi)
+        out.append(tokenizer.decode(ids[start:start + rng.randint(lo, hi)]))
+    return out
+
+
+def median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_hf(model, tok, prompt: str, prompts: list[str], new_tokens: int, reps: int) -> dict:
+    ids = tok(prompt, return_tensors="pt")
+    gen = dict(do_sample=False, pad_token_id=tok.pad_token_id or tok.eos_token_id)
+
+    def run(n):
+        with torch.inference_mode():
+            model.generate(**ids, max_new_tokens=n, min_new_tokens=n, **gen)
+
+    run(2)
+    ttft = median_time(lambda: run(1), reps)
+    total = median_time(lambda: run(new_tokens), reps)
+    tok.padding_side = "left"
+    batch = tok(prompts, return_tensors="pt", padding=True)
+
+    def run_batch():
+        with torch.inference_mode():
+            model.generate(**batch, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
+
+    t_batch = median_time(run_batch, 1)
+    return {"ttft_ms": ttft * 1e3, "decode_tok_s": (new_tokens - 1) / (total - ttft),
+            "batch_tok_s": len(prompts) * new_tokens / t_batch, "batch_seconds": t_batch}
+
+
+def bench_fx(llm, prompt: str, prompts: list[str], new_tokens: int, reps: int) -> dict:
+    from fxcompiler import SamplingParams
+
+    def run(n):
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+
+    run(2)
+    ttft = median_time(lambda: run(1), reps)
+    total = median_time(lambda: run(new_tokens), reps)
+    sp = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    t_batch = median_time(lambda: llm.generate(prompts, sp), 1)
+    return {"ttft_ms": ttft * 1e3, "decode_tok_s": (new_tokens - 1) / (total - ttft),
+            "batch_tok_s": len(prompts) * new_tokens / t_batch, "batch_seconds": t_batch,
+            "preemptions": llm.engine.stats.preemptions}
+
+
+def rss_child(args) -> int:
+    """Run fxcompiler alone (load + batch workload) and print its peak RSS in MiB."""
+    from fxcompiler import LLM, SamplingParams
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model)
+    prompts = prompts_of_mixed_length(llm.tokenizer, args.requests, 16, args.max_prompt)
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
+    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    return 0
+
+
+def main() -> int:
+    from fxcompiler.models.sources import DEFAULT_MODEL_ID
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL_ID)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--requests", type=int, default=64)
+    p.add_argument("--max-prompt", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="32 new tokens, 16 requests, 1 rep")
+    p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
+    args = p.parse_args()
+    if args.quick:
+        args.new_tokens, args.requests, args.reps = 32, 16, 1
+    if args.rss_child:
+        return rss_child(args)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fxcompiler import LLM
+    from fxcompiler.models.loader import model_directory
+    from fxcompiler.models.sources import resolve_model_source
+
+    torch.set_num_threads(args.threads)
+    llm = LLM(args.model)
+    path = model_directory(resolve_model_source(args.model), llm.cache_dir)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    prompt = tok.decode(tok(TEXT)["input_ids"][:32])
+    prompts = prompts_of_mixed_length(tok, args.requests, 16, args.max_prompt)
+
+    hf_r = bench_hf(hf, tok, prompt, prompts, args.new_tokens, args.reps)
+    fx_r = bench_fx(llm, prompt, prompts, args.new_tokens, args.reps)
+    del hf, llm
+    child = subprocess.run([sys.executable, __file__, "--rss-child", "--model", args.model, "--threads",
+                            str(args.threads), "--new-tokens", str(args.new_tokens), "--requests",
+                            str(args.requests), "--max-prompt", str(args.max_prompt)],
+                           capture_output=True, text=True, check=True)
+    rss = json.loads(child.stdout.strip().splitlines()[-1])["peak_rss_mib"]
+    result = {
+        "model": args.model, "threads": args.threads, "new_tokens": args.new_tokens, "requests": args.requests,
+        "torch": torch.__version__, "transformers": hf_r, "fxcompiler": fx_r, "fxcompiler_peak_rss_mib": rss,
+        "ratios": {
+            "batch1_decode": fx_r["decode_tok_s"] / hf_r["decode_tok_s"],
+            "ttft_speedup": hf_r["ttft_ms"] / fx_r["ttft_ms"],
+            f"throughput_{args.requests}": fx_r["batch_tok_s"] / hf_r["batch_tok_s"],
+        },
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"| metric | transformers | fxcompiler | ratio |\n|---|---|---|---|")
+    print(f"| batch-1 decode tok/s | {hf_r['decode_tok_s']:.1f} | {fx_r['decode_tok_s']:.1f} | "
+          f"{result['ratios']['batch1_decode']:.2f}x |")
+    print(f"| TTFT ms (~32-token prompt) | {hf_r['ttft_ms']:.0f} | {fx_r['ttft_ms']:.0f} | "
+          f"{result['ratios']['ttft_speedup']:.2f}x |")
+    print(f"| {args.requests} requests x {args.new_tokens} tokens, tok/s | {hf_r['batch_tok_s']:.1f} | "
+          f"{fx_r['batch_tok_s']:.1f} | {result['ratios'][f'throughput_{args.requests}']:.2f}x |")
+    print(f"| fxcompiler peak RSS (alone) | | {rss:.0f} MiB | |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
