@@ -145,3 +145,27 @@ def test_bad_inputs_raise_specific_errors(llm):
         llm.generate(123)
     with pytest.raises(ValueError, match="prompts\\[0\\] is empty"):
         llm.generate("")
+
+
+def test_stop_strings_stop_token_ids_and_logprobs(llm):
+    base = llm.generate("Count: one, two, three, four, five,", SamplingParams(temperature=0, max_tokens=20,
+                                                                             ignore_eos=True))
+    text = base.outputs[0].text
+    assert "," in text
+    stop = llm.generate("Count: one, two, three, four, five,",
+                        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[","]))
+    assert stop.outputs[0].finish_reason == "stop" and stop.outputs[0].stop_reason == ","
+    assert stop.outputs[0].text == text[: text.index(",")]
+    first = base.outputs[0].token_ids[2]
+    by_id = llm.generate("Count: one, two, three, four, five,",
+                         SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[first]))
+    assert by_id.outputs[0].token_ids == base.outputs[0].token_ids[:3]
+    assert by_id.outputs[0].stop_reason == first
+    lp = llm.generate("Count: one, two,", SamplingParams(temperature=0, max_tokens=4, logprobs=3))
+    steps = lp.outputs[0].logprobs
+    assert len(steps) == 4
+    for tok, entry in zip(lp.outputs[0].token_ids, steps):
+        assert tok in entry and len(entry) <= 4
+        assert max(entry.values(), key=lambda l: l.logprob).logprob == entry[tok].logprob  # greedy = top-1
+    assert abs(sum(e[t].logprob for t, e in zip(lp.outputs[0].token_ids, steps))
+               - lp.outputs[0].cumulative_logprob) < 1e-4

@@ -1,0 +1,76 @@
+"""The pass contract: ordering, user passes plugged into LLM(...), error reporting."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxcompiler import LLM, SamplingParams
+from fxcompiler.pass_manager import (DEFAULT_PASSES, PassError, PassResult, build_pass_list, get_pass)
+
+
+def test_default_pipeline_and_editing():
+    names = [p.name for p in build_pass_list({})]
+    assert names == list(DEFAULT_PASSES)
+    names = [p.name for p in build_pass_list({"passes": {"disable": ["fuse_projections"]}})]
+    assert "fuse_projections" not in names
+
+    def my_pass(gm, ctx):
+        return PassResult(gm, False, {"hello": 1})
+
+    names = [p.name for p in build_pass_list({"passes": {"insert": [(my_pass, {"before": "weight_layout"})]}})]
+    assert names.index("my_pass") == names.index("weight_layout") - 1
+    with pytest.raises(ValueError, match="no such pass"):
+        build_pass_list({"passes": {"insert": [(my_pass, {"after": "nope"})]}})
+    with pytest.raises(ValueError, match="unknown pass"):
+        get_pass("nope")
+    with pytest.raises(ValueError, match="unknown keys"):
+        build_pass_list({"passes": {"remove": []}})
+
+
+def test_user_pass_runs_inside_llm_and_changes_output(tiny_models):
+    """A pass that masks the logit of one token id: greedy decoding can then never pick it."""
+    path = str(tiny_models["llama"])
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompt = [[7, 7, 7, 7]]
+    base = LLM(path, max_seq_len_to_capture=128, cache_dir=None).generate(None, sp, prompt_token_ids=prompt)
+    banned = base[0].outputs[0].token_ids[0]
+
+    def ban_token(gm, ctx):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        logits = out.args[0][0]
+        with gm.graph.inserting_before(out):
+            col = gm.graph.call_function(torch.ops.aten.slice.Tensor, (logits, 1, banned, banned + 1))
+            gm.graph.call_function(torch.ops.aten.fill_.Scalar, (col, -1e9))
+        return PassResult(gm, True, {"banned": banned})
+
+    llm = LLM(path, max_seq_len_to_capture=128, cache_dir=None,
+              compiler_config_overrides={"passes": {"insert": [(ban_token, {"after": "dce"})]}})
+    assert any(h["pass"] == "ban_token" and h["banned"] == banned for h in llm.pass_history)
+    out = llm.generate(None, sp, prompt_token_ids=prompt)[0].outputs[0]
+    assert banned not in out.token_ids
+
+
+def test_broken_pass_is_reported_with_its_name(tiny_models):
+    def breaks_graph(gm, ctx):
+        node = next(n for n in gm.graph.nodes if n.op == "call_function")
+        node.args = (node,) + tuple(node.args[1:])  # a node that consumes itself
+        return PassResult(gm, True)
+
+    with pytest.raises(PassError, match="breaks_graph"):
+        LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None,
+            compiler_config_overrides={"passes": {"insert": [(breaks_graph, {"after": "fold_casts"})]}})
+
+
+def test_fusion_passes_preserve_outputs(tiny_models):
+    """weight_layout + fuse_projections: same greedy tokens as with both disabled (fp64)."""
+    path = str(tiny_models["qwen2"])
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    prompts = [[1, 2, 3, 4, 5], list(range(30, 60))]
+    a = LLM(path, dtype="float64", max_seq_len_to_capture=128, cache_dir=None)
+    b = LLM(path, dtype="float64", max_seq_len_to_capture=128, cache_dir=None,
+            compiler_config_overrides={"passes": {"disable": ["weight_layout", "fuse_projections"]}})
+    counts = {h["pass"]: h for h in a.pass_history}
+    assert counts["weight_layout"]["rewritten"] == 2 * 7 + 1 and counts["fuse_projections"]["fused_groups"] == 4
+    ta = [o.outputs[0].token_ids for o in a.generate(None, sp, prompt_token_ids=prompts)]
+    tb = [o.outputs[0].token_ids for o in b.generate(None, sp, prompt_token_ids=prompts)]
+    assert ta == tb
