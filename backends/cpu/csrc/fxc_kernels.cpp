@@ -497,6 +497,8 @@ void run_amx(const Problem& pb, bool int8_w, const uint16_t* xh, const uint16_t*
         const int64_t g1 = std::min(chunks, g0 + chunks_per_group);
         for (int64_t c = g0; c < g1; ++c) {
           const uint16_t* bsrc = wb + c * 16 * 2 * NB;
+          // weights stream from memory: prefetch 2 chunks (4 KB) ahead, into the next panel
+          for (int off = 0; off < 2048; off += 64) prefetch(reinterpret_cast<const char*>(bsrc) + 4096 + off);
           _tile_loadd(6, bsrc, 2 * NB * 2);
           _tile_loadd(7, bsrc + 32, 2 * NB * 2);
           const uint16_t* a = xh + m0 * lda + c * 32;
@@ -550,6 +552,15 @@ void run_amx(const Problem& pb, bool int8_w, const uint16_t* xh, const uint16_t*
 }
 
 // Returns false when AMX is not used for this problem.
+// fp32 -> bf16 bits, round to nearest even (NaN stays NaN), 16 at a time.
+FXC_INLINE __m256i bf16_rne(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 bool try_amx(const Problem& pb, bool int8_w, bool x_is_bf16) {
   if (pb.M < kAmxMinM || !amx_usable()) return false;
   if (pb.grp_scale && pb.group % 32 != 0) return false;
@@ -558,13 +569,23 @@ bool try_amx(const Problem& pb, bool int8_w, bool x_is_bf16) {
   const int64_t Mpad = (pb.M + 15) / 16 * 16;
   std::vector<uint16_t> xh(static_cast<size_t>(Mpad) * lda, 0), xl;
   if (!x_is_bf16) xl.assign(xh.size(), 0);
-  for (int64_t m = 0; m < pb.M; ++m)
-    for (int64_t k = 0; k < K; ++k) {
-      const float v = pb.x[m * pb.ldx + k];
-      const c10::BFloat16 hi(v);  // exact when x was bf16
-      xh[m * lda + k] = hi.x;
-      if (!x_is_bf16) xl[m * lda + k] = c10::BFloat16(v - static_cast<float>(hi)).x;
+  // x ~= hi + lo with hi = bf16(x), lo = bf16(x - hi); for bf16 x, hi is exact and lo = 0.
+  for (int64_t m = 0; m < pb.M; ++m) {
+    const float* src = pb.x + m * pb.ldx;
+    uint16_t* h = xh.data() + m * lda;
+    uint16_t* l = x_is_bf16 ? nullptr : xl.data() + m * lda;
+    for (int64_t k = 0; k < K; k += 16) {
+      const int nk = static_cast<int>(std::min<int64_t>(16, K - k));
+      const __mmask16 mk = static_cast<__mmask16>((1u << nk) - 1);
+      const __m512 v = _mm512_maskz_loadu_ps(mk, src + k);
+      const __m256i hi = bf16_rne(v);
+      _mm256_mask_storeu_epi16(h + k, mk, hi);
+      if (l) {
+        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+        _mm256_mask_storeu_epi16(l + k, mk, bf16_rne(_mm512_sub_ps(v, hf)));
+      }
     }
+  }
   run_amx(pb, int8_w, xh.data(), xl.empty() ? nullptr : xl.data(), lda, Mpad);
   return true;
 }
@@ -797,9 +818,11 @@ void prepare_common(Prepared& pr, const at::Tensor& x, int64_t Kp, int64_t n, in
       const float* src = xc.data_ptr<float>();
       for (int64_t m = 0; m < M; ++m) std::memcpy(pr.xbuf.data() + m * Kp, src + m * K, sizeof(float) * K);
     } else {
-      const c10::BFloat16* src = xc.data_ptr<c10::BFloat16>();
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t k = 0; k < K; ++k) pr.xbuf[m * Kp + k] = static_cast<float>(src[m * K + k]);
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+      for (int64_t m = 0; m < M; ++m) {
+        uint32_t* dst = reinterpret_cast<uint32_t*>(pr.xbuf.data() + m * Kp);  // fp32 bits
+        for (int64_t k = 0; k < K; ++k) dst[k] = static_cast<uint32_t>(src[m * K + k]) << 16;
+      }
     }
     pb.x = pr.xbuf.data();
   }

@@ -201,28 +201,35 @@ def test_failed_build_falls_back_with_one_warning(tmp_path):
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
 
 
+_PATHS_CODE = """
+    import torch
+    import backends.cpu as fxc
+    torch.manual_seed(0)
+    for m, k, n in [(1, 77, 50), (2, 64, 70), (3, 130, 70), (5, 64, 33), (13, 96, 40), (17, 33, 100), (40, 128, 64)]:
+        w, x, b = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
+        for dt in (torch.float32, torch.bfloat16):
+            wr = w.to(dt).double()
+            y = torch.ops.fxc.linear(x, fxc.pack_linear_weight(w, dt), b, n)
+            torch.testing.assert_close(y.double(), x.double() @ wr.T + b.double(), rtol=1e-4, atol=1e-4)
+        for g in (-1, 32 if k % 32 == 0 else k):
+            q, s = fxc.quantize_linear_weight_int8(w, g)
+            y = torch.ops.fxc.linear_w8(x, q, s, b, n, g)
+            wd = fxc.dequantize_linear_weight_int8(q, s, n, g).double()
+            torch.testing.assert_close(y.double(), x.double() @ wd.T + b.double(), rtol=1e-4, atol=1e-4)
+    print("OK", fxc.isa())
+"""
+
+
+def test_avx512_paths_without_amx():
+    if not (_expect_kernels() and fxc.kernels_available() and fxc.isa() == "avx512+amx"):
+        pytest.skip("AMX machine only: checks the AVX-512 paths that AMX otherwise takes over")
+    r = _run_py(_PATHS_CODE, {"FXCOMPILER_CPU_AMX": "0"})
+    assert r.returncode == 0 and "OK avx512" in r.stdout and "amx" not in r.stdout, r.stdout + r.stderr
+
+
 @pytest.mark.skipif(not _expect_kernels() or _build.detect_isa() != "avx512",
                     reason="needs the AVX-512 machine to also exercise the AVX2 build")
 def test_avx2_build_matches_reference():
     """The AVX2 variant (used on CPUs without AVX-512), built and checked in a subprocess."""
-    code = """
-        import torch
-        import backends.cpu as fxc
-        assert fxc.isa() == "avx2", fxc.isa()
-        torch.manual_seed(0)
-        for m, k, n in [(1, 77, 50), (3, 64, 32), (5, 130, 70), (17, 33, 100)]:
-            w, x, b = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
-            for dt in (torch.float32, torch.bfloat16):
-                wr = w.to(dt).double()
-                y = torch.ops.fxc.linear(x, fxc.pack_linear_weight(w, dt), b, n)
-                torch.testing.assert_close(y.double(), x.double() @ wr.T + b.double(), rtol=1e-4, atol=1e-4)
-            for g in (-1, k if k % 32 else 32):
-                kk = k - k % g if g > 0 else k
-                q, s = fxc.quantize_linear_weight_int8(w[:, :kk], g)
-                y = torch.ops.fxc.linear_w8(x[:, :kk], q, s, b, n, g)
-                wd = fxc.dequantize_linear_weight_int8(q, s, n, g).double()
-                torch.testing.assert_close(y.double(), x[:, :kk].double() @ wd.T + b.double(), rtol=1e-4, atol=1e-4)
-        print("OK")
-    """
-    r = _run_py(code, {"FXCOMPILER_CPU_ISA": "avx2"})
-    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr
+    r = _run_py(_PATHS_CODE, {"FXCOMPILER_CPU_ISA": "avx2"})
+    assert r.returncode == 0 and "OK avx2" in r.stdout, r.stdout + r.stderr
