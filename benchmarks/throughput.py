@@ -101,8 +101,19 @@ def rss_child(args) -> int:
     llm = LLM(args.model)
     prompts = prompts_of_mixed_length(llm.tokenizer, args.requests, 16, args.max_prompt)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
-    print(json.dumps({"peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+    print(json.dumps({"peak_rss_mib": peak_rss_mib()}))
     return 0
+
+
+def peak_rss_mib() -> float:
+    """High-water RSS of this process image (VmHWM; ru_maxrss would include the forking parent's)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main() -> int:

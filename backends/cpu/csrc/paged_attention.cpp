@@ -8,6 +8,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -38,6 +42,91 @@ void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Te
     }
 }
 
+// exp(x) for x <= 0 over a row, vectorised (Cephes-style polynomial, ~2 ulp) where AVX-512 is on.
+inline void exp_row(float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), half = _mm512_set1_ps(0.5f);
+  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 16 <= n; i += 16) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    v = _mm512_max_ps(_mm512_min_ps(v, hi), lo);
+    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(v, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    v = _mm512_fnmadd_ps(fx, c1, v);
+    v = _mm512_fnmadd_ps(fx, c2, v);
+    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507E-3f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073E-3f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894E-2f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459E-1f));
+    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201E-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, one));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+    _mm512_storeu_ps(x + i, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
+  }
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+inline void exp_row(double* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+#ifdef __AVX512F__
+// fp32, head_dim = 16*DV: scores with the K row held in registers for all G heads; V
+// accumulated into G x DV registers-worth of L1-resident accumulators.
+template <int DV>
+void attend_item_f32(const float* q /*[G][16*DV], pre-scaled*/, int64_t G, const float* kc, const float* vc,
+                     const int64_t* row_blocks, int64_t bs, int64_t block_stride, int64_t tok_stride,
+                     int64_t kv_off, int64_t lo, int64_t hi, float* scores /*[G][L]*/, int64_t L,
+                     float* out /*[G][16*DV] contiguous per g with stride out_stride*/, int64_t out_stride) {
+  constexpr int D = 16 * DV;
+  const int64_t n = hi - lo + 1;
+  for (int64_t j = lo; j <= hi; ++j) {
+    const float* kr = kc + row_blocks[j / bs] * block_stride + (j % bs) * tok_stride + kv_off;
+    __m512 k[DV];
+    for (int i = 0; i < DV; ++i) k[i] = _mm512_loadu_ps(kr + 16 * i);
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(k[0], _mm512_loadu_ps(q + g * D));
+      for (int i = 1; i < DV; ++i) a = _mm512_fmadd_ps(k[i], _mm512_loadu_ps(q + g * D + 16 * i), a);
+      scores[g * L + (j - lo)] = _mm512_reduce_add_ps(a);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* row = scores + g * L;
+    float mx = row[0];
+    for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
+    for (int64_t j = 0; j < n; ++j) row[j] -= mx;
+    exp_row(row, n);
+    float denom = 0;
+    for (int64_t j = 0; j < n; ++j) denom += row[j];
+    const float inv = 1.0f / denom;
+    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+  }
+  constexpr int GMAX = 8;
+  for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+    const int64_t gn = std::min<int64_t>(GMAX, G - g0);
+    __m512 acc[GMAX][DV];
+    for (int g = 0; g < gn; ++g)
+      for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t j = lo; j <= hi; ++j) {
+      const float* vr = vc + row_blocks[j / bs] * block_stride + (j % bs) * tok_stride + kv_off;
+      __m512 v[DV];
+      for (int i = 0; i < DV; ++i) v[i] = _mm512_loadu_ps(vr + 16 * i);
+      for (int g = 0; g < gn; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * L + (j - lo)]);
+        for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
+      }
+    }
+    for (int g = 0; g < gn; ++g)
+      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + (g0 + g) * out_stride + 16 * i, acc[g][i]);
+  }
+}
+#endif
+
+// One work item = (sequence, KV head, query token): its G query heads share every K/V row read.
 template <typename scalar_t>
 void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_table, const torch::Tensor& query_pos, const torch::Tensor& seq_lens,
@@ -48,52 +137,86 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
   const int64_t G = Hq / Hkv;
   const int64_t MB = block_table.size(1);
   auto qa = query.accessor<scalar_t, 4>();
-  auto bt = block_table.accessor<int64_t, 2>();
   auto qp = query_pos.accessor<int64_t, 2>();
   auto sl = seq_lens.accessor<int64_t, 1>();
+  const int64_t* bt = block_table.data_ptr<int64_t>();  // contiguous [B, MB]
   const scalar_t* kc = k_cache.data_ptr<scalar_t>();
   const scalar_t* vc = v_cache.data_ptr<scalar_t>();
   scalar_t* o = out.data_ptr<scalar_t>();  // [B, S, Hq, D] contiguous
   const int64_t block_stride = bs * Hkv * D, tok_stride = Hkv * D;
   const int64_t L = MB * bs;
+  const acc_t sc = static_cast<acc_t>(scale);
 
-  at::parallel_for(0, B * Hq * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> scores(L);
-    std::vector<acc_t> q(D), acc(D);
+  at::parallel_for(0, B * Hkv * S, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> scores(G * L), q(G * D), acc(G * D);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Hq * S), h = (item / S) % Hq, s = item % S;
-      const int64_t kvh = h / G;
+      const int64_t b = item / (Hkv * S), kvh = (item / S) % Hkv, s = item % S;
       const int64_t pos = qp[b][s];
       const int64_t hi = std::min<int64_t>(pos, sl[b] - 1);
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      scalar_t* dst = o + ((b * S + s) * Hq + h) * D;
-      if (hi < lo) {
-        for (int64_t d = 0; d < D; ++d) dst[d] = scalar_t(0);
+      const int64_t n = hi - lo + 1;
+      if (n <= 0) {
+        for (int64_t g = 0; g < G; ++g) {
+          scalar_t* dst = o + ((b * S + s) * Hq + kvh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) dst[d] = scalar_t(0);
+        }
         continue;
       }
-      for (int64_t d = 0; d < D; ++d) q[d] = static_cast<acc_t>(qa[b][h][s][d]);
-      acc_t mx = -std::numeric_limits<acc_t>::infinity();
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<acc_t>(qa[b][kvh * G + g][s][d]) * sc;
+      const int64_t* row_blocks = bt + b * MB;
+#ifdef __AVX512F__
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (softcap <= 0 && (D == 64 || D == 128)) {
+          float* dst = o + ((b * S + s) * Hq + kvh * G) * D;
+          if (D == 64)
+            attend_item_f32<4>(q.data(), G, kc, vc, row_blocks, bs, block_stride, tok_stride, kvh * D, lo, hi,
+                               scores.data(), L, dst, D);
+          else
+            attend_item_f32<8>(q.data(), G, kc, vc, row_blocks, bs, block_stride, tok_stride, kvh * D, lo, hi,
+                               scores.data(), L, dst, D);
+          continue;
+        }
+      }
+#endif
       for (int64_t j = lo; j <= hi; ++j) {
-        const scalar_t* kr = kc + bt[b][j / bs] * block_stride + (j % bs) * tok_stride + kvh * D;
-        acc_t dot = 0;
+        const scalar_t* kr = kc + row_blocks[j / bs] * block_stride + (j % bs) * tok_stride + kvh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const acc_t* qg = q.data() + g * D;
+          acc_t dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += q[d] * static_cast<acc_t>(kr[d]);
-        dot *= static_cast<acc_t>(scale);
-        if (softcap > 0) dot = static_cast<acc_t>(std::tanh(dot / softcap) * softcap);
-        scores[j - lo] = dot;
-        mx = std::max(mx, dot);
+          for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<acc_t>(kr[d]);
+          if (softcap > 0) dot = static_cast<acc_t>(std::tanh(dot / softcap) * softcap);
+          scores[g * L + (j - lo)] = dot;
+        }
       }
-      acc_t denom = 0;
-      for (int64_t d = 0; d < D; ++d) acc[d] = 0;
-      for (int64_t j = lo; j <= hi; ++j) {
-        const acc_t p = std::exp(scores[j - lo] - mx);
-        denom += p;
-        const scalar_t* vr = vc + bt[b][j / bs] * block_stride + (j % bs) * tok_stride + kvh * D;
+      std::vector<acc_t> inv(G);
+      for (int64_t g = 0; g < G; ++g) {
+        acc_t* row = scores.data() + g * L;
+        acc_t mx = row[0];
+        for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[d] += p * static_cast<acc_t>(vr[d]);
+        for (int64_t j = 0; j < n; ++j) row[j] -= mx;
+        exp_row(row, n);
+        acc_t denom = 0;
+#pragma omp simd reduction(+ : denom)
+        for (int64_t j = 0; j < n; ++j) denom += row[j];
+        inv[g] = acc_t(1) / denom;
       }
-      const acc_t inv = acc_t(1) / denom;
-      for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t j = lo; j <= hi; ++j) {
+        const scalar_t* vr = vc + row_blocks[j / bs] * block_stride + (j % bs) * tok_stride + kvh * D;
+        for (int64_t g = 0; g < G; ++g) {
+          const acc_t p = scores[g * L + (j - lo)];
+          acc_t* ag = acc.data() + g * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<acc_t>(vr[d]);
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        scalar_t* dst = o + ((b * S + s) * Hq + kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
+      }
     }
   });
 }
@@ -105,6 +228,7 @@ torch::Tensor paged_attention_cpu(torch::Tensor query, torch::Tensor key, torch:
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "fxc::paged_attention: caches must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && key.scalar_type() == k_cache.scalar_type(),
               "fxc::paged_attention (cpu kernel): query/key/cache dtypes must match");
+  block_table = block_table.contiguous();
   const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
   auto out = torch::empty({B, S, Hq, D}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "fxc_paged_attention", [&] {
