@@ -115,6 +115,7 @@ class MinimalBucketConfig(BucketConfig):
 
 
 def _ladder(lo: int, hi: int) -> list[int]:
+    """lo, 2lo, 4lo, ... up to hi (hi included)."""
     out, v = [], lo
     while v < hi:
         out.append(v)
@@ -123,11 +124,22 @@ def _ladder(lo: int, hi: int) -> list[int]:
     return sorted(set(out))
 
 
+def _fine_ladder(lo: int, hi: int) -> list[int]:
+    """Powers of two and their midpoints (16, 24, 32, 48, 64, 96, ...) up to hi: padding <= 33%."""
+    out = set()
+    for v in _ladder(lo, hi):
+        out.add(v)
+        if v + v // 2 < hi and v >= 16:
+            out.add(v + v // 2)
+    out.add(hi)
+    return sorted(x for x in out if x <= hi)
+
+
 @dataclass
 class DefaultBucketConfig(BucketConfig):
     """fxcompiler's default: a ladder of buckets, so batching and short prompts pad little.
 
-    Prefill: batch 1, 2, 4, ... ``max_prefill_batch`` × attention 16, 32, ... ``max_prompt_len``.
+    Prefill: batch 1, 2, 4, ... ``max_prefill_batch`` × attention 16, 24, 32, 48, 64, 96, ... ``max_prompt_len``.
     Decode: batch 1, 2, 4, 8, 16, 24, 32, 48, 64, ... ``max_decode_batch`` × ``max_seq_len``.
     (furiosa's default is :class:`MinimalBucketConfig`, i.e. batch 1 only: on an NPU every
     bucket is a separate compiled binary; here fx graphs are shape-dynamic, so a ladder is free.)
@@ -139,7 +151,7 @@ class DefaultBucketConfig(BucketConfig):
 
     def buckets(self, max_prompt_len, max_seq_len):
         pb = _ladder(1, self.max_prefill_batch)
-        attn = _ladder(min(self.min_prefill_attention, max_prompt_len), max_prompt_len)
+        attn = _fine_ladder(min(self.min_prefill_attention, max_prompt_len), max_prompt_len)
         db = sorted({1, 2, 4, 8} | {b for b in range(16, self.max_decode_batch + 1, 8) if b <= 32}
                     | {b for b in range(48, self.max_decode_batch + 1, 16)} | {self.max_decode_batch})
         return ([Bucket.prefill(b, a) for b in pb for a in attn], [Bucket.decode(b, max_seq_len) for b in db])

@@ -19,6 +19,8 @@ from .sequence import Sequence, SequenceStatus
 
 log = logging.getLogger("fxcompiler.scheduler")
 
+PREFILL_SMALL_STEP_TOKENS = 256
+
 
 @dataclass(slots=True)
 class ScheduledBatch:
@@ -109,9 +111,11 @@ class Scheduler:
                     # (fx graphs are shape-dynamic; the bucket only fixes the padding).
                     chosen, bucket = [seq], Bucket.prefill(1, n)
                 break
-            # Do not let a long prompt pad many short ones (keep padding waste under 50%).
-            if chosen and cand.batch_size * cand.attention_size > 2 * (real_tokens + n) \
-                    and cand.batch_size * cand.attention_size > bucket.batch_size * bucket.attention_size:
+            # Padded tokens cost as much compute as real ones: batch prompts while the padding
+            # stays under 25%, or while the whole step is small enough to be overhead-bound.
+            area = cand.batch_size * cand.attention_size
+            if chosen and area > PREFILL_SMALL_STEP_TOKENS and area > 1.25 * (real_tokens + n) \
+                    and area > bucket.batch_size * bucket.attention_size:
                 break
             chosen.append(seq)
             bucket = cand
