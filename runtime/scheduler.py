@@ -99,7 +99,9 @@ class Scheduler:
             n = seq.num_tokens
             # Reserve the spare blocks for running sequences, and one block per running
             # sequence so admitting prompts does not immediately force preemption.
-            reserve = self.spare_blocks + (len(self.running) if not self.config.is_offline else 0)
+            # (With nothing running there is nothing to reserve for.)
+            reserve = 0 if not self.running and not chosen else \
+                self.spare_blocks + (len(self.running) if not self.config.is_offline else 0)
             need = self.blocks.blocks_needed(n + 1)
             if not self.blocks._free_slots or used_blocks + need + reserve > self.blocks.num_free_blocks \
                     or len(self.running) + len(chosen) >= self.blocks.block_tables.shape[0]:

@@ -1,0 +1,49 @@
+"""Pipeline IR records: buckets, names, devices, JSON form."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fxcompiler.pipeline import Bucket, Device, dtype_name, pipeline_name
+
+
+def test_bucket_semantics():
+    p, d = Bucket.prefill(2, 64), Bucket.decode(4, 128)
+    assert p.is_prefill and p.input_ids_size == 64 and p.phase == "prefill"
+    assert d.is_decode and d.kv_cache_size == 127 and d.input_ids_size == 1
+    with pytest.raises(ValueError, match="batch_size"):
+        Bucket(0, 16)
+    with pytest.raises(ValueError, match="kv_cache_size"):
+        Bucket(1, 16, 16)
+
+
+def test_pipeline_name_grammar():
+    assert pipeline_name("HuggingFaceTB/SmolLM2", Bucket.decode(8, 2048)) == "HuggingFaceTB_SmolLM2-kv2047-b8-attn2048"
+    assert pipeline_name("m", Bucket.prefill(1, 16)) == "m-kv0-b1-attn16"
+
+
+def test_device_grammar():
+    assert Device("cuda:1").idx == 1 and Device("cpu").kind == "cpu"
+    for bad in ("tpu", "cuda:", "cpu:-1"):
+        with pytest.raises(ValueError):
+            Device(bad)
+    with pytest.raises(ValueError, match="NPU"):
+        Device("npu:0:0-3")
+
+
+def test_built_pipelines_are_json_and_share_one_blob(tiny_models):
+    from fxcompiler import LLM
+
+    llm = LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True)
+    assert llm.engine is None
+    blobs = {b for p in llm.pipelines for b in p.blobs}
+    assert len(blobs) == 1
+    doc = json.loads(llm.pipelines[0].to_json())
+    kinds = sorted(t["kind"] for t in doc["supertasks"].values())
+    assert kinds == ["fx", "input", "output"]
+    assert doc["name"].endswith(f"-b{doc['bucket']['batch_size']}-attn{doc['bucket']['attention_size']}")
+    params = [t for t in doc["tensors"].values() if t["kind"] == "param"]
+    assert params and all(t["dtype"] == dtype_name("torch.float32") for t in params)
+    with pytest.raises(RuntimeError, match="skip_engine"):
+        llm.generate("x")
