@@ -139,7 +139,7 @@ def _fine_ladder(lo: int, hi: int) -> list[int]:
 class DefaultBucketConfig(BucketConfig):
     """fxcompiler's default: a ladder of buckets, so batching and short prompts pad little.
 
-    Prefill: batch 1, 2, 4, ... ``max_prefill_batch`` × attention 16, 24, 32, 48, 64, 96, ... ``max_prompt_len``.
+    Prefill: batch 1, 2, 3, ... ``max_prefill_batch`` × attention 16, 24, 32, 48, 64, 96, ... ``max_prompt_len``.
     Decode: batch 1, 2, 4, 8, 16, 24, 32, 48, 64, ... ``max_decode_batch`` × ``max_seq_len``.
     (furiosa's default is :class:`MinimalBucketConfig`, i.e. batch 1 only: on an NPU every
     bucket is a separate compiled binary; here fx graphs are shape-dynamic, so a ladder is free.)
@@ -150,7 +150,7 @@ class DefaultBucketConfig(BucketConfig):
     min_prefill_attention: int = 16
 
     def buckets(self, max_prompt_len, max_seq_len):
-        pb = _ladder(1, self.max_prefill_batch)
+        pb = list(range(1, self.max_prefill_batch + 1))  # padded prefill rows cost a whole prompt each
         attn = _fine_ladder(min(self.min_prefill_attention, max_prompt_len), max_prompt_len)
         db = sorted({1, 2, 4, 8} | {b for b in range(16, self.max_decode_batch + 1, 8) if b <= 32}
                     | {b for b in range(48, self.max_decode_batch + 1, 16)} | {self.max_decode_batch})

@@ -20,6 +20,7 @@ from .sequence import Sequence, SequenceStatus
 log = logging.getLogger("fxcompiler.scheduler")
 
 PREFILL_SMALL_STEP_TOKENS = 256
+PREFILL_LOOKAHEAD = 64
 
 
 @dataclass(slots=True)
@@ -93,8 +94,10 @@ class Scheduler:
         chosen: list[Sequence] = []
         longest, real_tokens, used_blocks = 0, 0, 0
         bucket = None
-        for seq in self.waiting:
-            if len(chosen) >= room:
+        for looked, seq in enumerate(self.waiting):
+            # FIFO for the head of the queue; later prompts may join it when they fit its
+            # shape (grouping similar lengths), looking a bounded way ahead.
+            if len(chosen) >= room or looked >= PREFILL_LOOKAHEAD:
                 break
             n = seq.num_tokens
             # Reserve the spare blocks for running sequences, and one block per running
@@ -112,13 +115,14 @@ class Scheduler:
                     # A preempted sequence longer than any prompt bucket is recomputed alone
                     # (fx graphs are shape-dynamic; the bucket only fixes the padding).
                     chosen, bucket = [seq], Bucket.prefill(1, n)
-                break
+                    break
+                continue
             # Padded tokens cost as much compute as real ones: batch prompts while the padding
             # stays under 25%, or while the whole step is small enough to be overhead-bound.
             area = cand.batch_size * cand.attention_size
             if chosen and area > PREFILL_SMALL_STEP_TOKENS and area > 1.25 * (real_tokens + n) \
                     and area > bucket.batch_size * bucket.attention_size:
-                break
+                continue
             chosen.append(seq)
             bucket = cand
             longest, real_tokens, used_blocks = max(longest, n), real_tokens + n, used_blocks + need
