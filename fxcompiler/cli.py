@@ -119,6 +119,27 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def cmd_compile(args) -> int:
+    """Capture + passes + pipelines without an engine; optionally dump every pass."""
+    from .llm import LLM, CACHE_DIR
+
+    overrides = {"dump_dir": args.dump_dir} if args.dump_dir else {}
+    t0 = time.perf_counter()
+    llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
+              cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
+              compiler_config_overrides=overrides)
+    seconds = time.perf_counter() - t0
+    blobs = {b for p in llm.pipelines for b in p.blobs}
+    print(f"model: {llm.model_id}\npipelines: {len(llm.pipelines)} ({llm.pipelines[0].name} ...)\n"
+          f"unique graph blobs: {len(blobs)}\ncapture: {llm._captured.export_seconds:.2f}s, total {seconds:.2f}s")
+    for h in llm.pass_history:
+        extra = {k: v for k, v in h.items() if k not in ("pass", "modified", "seconds")}
+        print(f"  {h['pass']:20s} {h['seconds'] * 1000:8.1f} ms  modified={h['modified']}  {extra}")
+    if args.dump_dir:
+        print(f"dumps: {args.dump_dir}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxcompiler", description="fxcompiler: LLM inference as a graph compiler")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -128,6 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", "-p", action="append", help="prompt (repeatable); default: a few demo prompts")
     g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat turn")
     g.set_defaults(func=cmd_generate)
+    k = sub.add_parser("compile", help="build the pipelines without an engine (and dump every pass)")
+    _add_model_args(k)
+    k.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (same as --model)")
+    k.add_argument("--dump-dir", default=None, help="write before/after code, DOT and op diffs per pass here")
+    k.set_defaults(func=cmd_compile)
     c = sub.add_parser("chat", help="interactive chat with streaming output")
     _add_model_args(c)
     _add_sampling_args(c, 256)
@@ -139,6 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "model_pos", None):
+        args.model = args.model_pos
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(name)s: %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:

@@ -216,6 +216,10 @@ DEFAULT_PASSES = ("strip_asserts", "fold_casts", "dce", "weight_layout", "fuse_p
 def build_pass_list(options: dict[str, Any] | None = None) -> list[Pass]:
     """The default pipeline, edited by ``options['passes']`` = {"disable": [...], "insert": [(pass, {"after"|"before": name})]}."""
     options = options or {}
+    unknown_top = set(options) - {"passes", "dump_dir"}
+    if unknown_top:
+        raise ValueError(f"compiler_config_overrides has unknown keys {sorted(unknown_top)}; "
+                         "expected 'passes' and/or 'dump_dir'")
     spec = options.get("passes", {}) or {}
     unknown = set(spec) - {"disable", "insert"}
     if unknown:

@@ -42,6 +42,10 @@ def optimise(captured: CapturedProgram, options: dict[str, Any] | None = None,
     ctx = CompileContext(list(captured.input_specs), captured.params, captured.geometry, dict(options or {}))
     captured.params = {}
     loaded = {t.untyped_storage().data_ptr() for t in ctx.params.values()}
+    if instruments is None:
+        from .instruments import instruments_from_options
+
+        instruments = instruments_from_options(options or {})
     manager = PassManager(build_pass_list(options), instruments=instruments)
     gm = manager(captured.graph_module, ctx)
     compact_params(ctx.params, loaded)

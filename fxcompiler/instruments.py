@@ -1,0 +1,90 @@
+"""Pass instruments that make every graph the compiler produces visible.
+
+``DumpInstrument(dir)`` writes, for each pass, the graph before and after as readable
+Python (``NN-<pass>.before.py`` / ``.after.py``), a Graphviz picture (``.after.dot``) and
+a node-count/op histogram diff (``NN-<pass>.diff.txt``), plus ``summary.json`` with the
+per-pass wall time and what each pass reported. Switched on by
+``compiler_config_overrides={"dump_dir": DIR}`` or the ``FXCOMPILER_DUMP_DIR`` variable.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.fx import GraphModule
+
+from .pass_manager import CompileContext, Pass, PassInstrument, PassResult
+
+
+def op_histogram(gm: GraphModule) -> Counter:
+    return Counter(str(n.target) if n.op == "call_function" else n.op for n in gm.graph.nodes)
+
+
+def graph_to_dot(gm: GraphModule, name: str = "graph") -> str:
+    """A compact DOT rendering: one box per node, edges from inputs (placeholders elided when params)."""
+    lines = [f'digraph "{name}" {{', "  rankdir=TB; node [shape=box, fontsize=10];"]
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" and n.name.startswith(("p_", "b_", "c_")):
+            continue
+        label = n.name if n.op != "call_function" else f"{n.name}\\n{str(n.target).replace('aten.', '')}"
+        style = ', style=filled, fillcolor="#ffd7a8"' if "fxc." in str(n.target) else ""
+        lines.append(f'  "{n.name}" [label="{label}"{style}];')
+        for a in n.all_input_nodes:
+            if not (a.op == "placeholder" and a.name.startswith(("p_", "b_", "c_"))):
+                lines.append(f'  "{a.name}" -> "{n.name}";')
+    lines.append("}")
+    return "\n".join(lines)
+
+
+class DumpInstrument(PassInstrument):
+    def __init__(self, directory: str | os.PathLike, prefix: str = ""):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.prefix = prefix
+        self.index = 0
+        self.summary: list[dict] = []
+        self._before: Counter | None = None
+
+    def run_before_pass(self, p: Pass, gm: GraphModule, ctx: CompileContext) -> None:
+        self.index += 1
+        self._before = op_histogram(gm)
+        (self._stem(p).with_suffix(".before.py")).write_text(gm.code)
+
+    def run_after_pass(self, p: Pass, result: PassResult, ctx: CompileContext, seconds: float) -> None:
+        gm = result.graph_module
+        stem = self._stem(p)
+        stem.with_suffix(".after.py").write_text(gm.code)
+        stem.with_suffix(".after.dot").write_text(graph_to_dot(gm, p.name))
+        after = op_histogram(gm)
+        keys = sorted(set(after) | set(self._before or {}))
+        rows = [f"{'op':60s} {'before':>7s} {'after':>7s} {'delta':>7s}"]
+        for k in keys:
+            b, a = (self._before or {}).get(k, 0), after.get(k, 0)
+            if a != b:
+                rows.append(f"{k:60s} {b:7d} {a:7d} {a - b:+7d}")
+        total_b, total_a = sum((self._before or {}).values()), sum(after.values())
+        rows.append(f"{'TOTAL nodes':60s} {total_b:7d} {total_a:7d} {total_a - total_b:+7d}")
+        stem.with_suffix(".diff.txt").write_text("\n".join(rows) + "\n")
+        info = {k: v for k, v in result.info.items() if isinstance(v, (int, float, str, bool))}
+        self.summary.append({"index": self.index, "pass": p.name, "modified": result.modified,
+                             "seconds": round(seconds, 4), "nodes_before": total_b, "nodes_after": total_a, **info})
+        (self.dir / f"{self.prefix}summary.json").write_text(json.dumps(self.summary, indent=1))
+
+    def _stem(self, p: Pass) -> Path:
+        return self.dir / f"{self.prefix}{self.index:02d}-{p.name}"
+
+
+def instruments_from_options(options: dict) -> list[PassInstrument]:
+    """The instruments a build asks for: always graph lint; dumps when a dump dir is set."""
+    from .pass_manager import VerifyInstrument
+
+    out: list[PassInstrument] = []
+    if os.environ.get("FXCOMPILER_VERIFY_PASSES", "1") != "0":
+        out.append(VerifyInstrument())
+    dump = options.get("dump_dir") or os.environ.get("FXCOMPILER_DUMP_DIR")
+    if dump:
+        out.append(DumpInstrument(dump))
+    return out

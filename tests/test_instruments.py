@@ -1,0 +1,46 @@
+"""Dumps of every pass (code, DOT, op histogram diff) and ``fxcompiler compile --dump-dir``."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fxcompiler import LLM
+from fxcompiler.cli import main
+from fxcompiler.pass_manager import DEFAULT_PASSES
+
+
+def test_dump_dir_writes_one_dump_per_pass(tiny_models, tmp_path):
+    LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True,
+        compiler_config_overrides={"dump_dir": str(tmp_path)})
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["pass"] for s in summary] == list(DEFAULT_PASSES)
+    for s in summary:
+        stem = f"{s['index']:02d}-{s['pass']}"
+        for suffix in (".before.py", ".after.py", ".after.dot", ".diff.txt"):
+            assert (tmp_path / (stem + suffix)).is_file()
+    layout = next(s for s in summary if s["pass"] == "weight_layout")
+    diff = (tmp_path / f"{layout['index']:02d}-weight_layout.diff.txt").read_text()
+    assert "aten.linear.default" in diff and "aten.matmul.default" in diff
+    assert "def forward" in (tmp_path / f"{layout['index']:02d}-weight_layout.after.py").read_text()
+    assert "fxc.paged_attention" in (tmp_path / f"{layout['index']:02d}-weight_layout.after.dot").read_text()
+
+
+def test_env_variable_switches_dumps_on(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("FXCOMPILER_DUMP_DIR", str(tmp_path / "env"))
+    LLM(str(tiny_models["gpt2"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True)
+    assert (tmp_path / "env" / "summary.json").is_file()
+
+
+def test_unknown_override_keys_are_rejected(tiny_models):
+    with pytest.raises(ValueError, match="compiler_config_overrides"):
+        LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None,
+            compiler_config_overrides={"npu_magic": 1})
+
+
+def test_compile_command(tiny_models, tmp_path, capsys):
+    rc = main(["compile", str(tiny_models["qwen2"]), "--max-seq-len-to-capture", "128", "--dump-dir",
+               str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "unique graph blobs: 1" in out and "weight_layout" in out
+    assert len(list(tmp_path.glob("*.after.py"))) == len(DEFAULT_PASSES)
