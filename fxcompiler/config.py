@@ -125,21 +125,19 @@ def _ladder(lo: int, hi: int) -> list[int]:
 
 
 def _fine_ladder(lo: int, hi: int) -> list[int]:
-    """Powers of two and their midpoints (16, 24, 32, 48, 64, 96, ...) up to hi: padding <= 33%."""
-    out = set()
-    for v in _ladder(lo, hi):
-        out.add(v)
-        if v + v // 2 < hi and v >= 16:
-            out.add(v + v // 2)
-    out.add(hi)
-    return sorted(x for x in out if x <= hi)
+    """Prompt lengths a prefill pads to: every 16 up to 256, every 64 up to 1024, then every 256
+    (plus ``hi``), so a lone prompt pads by at most ~6% beyond the short range."""
+    out = {hi}
+    for step, top in ((16, 256), (64, 1024), (256, hi)):
+        out.update(range(max(lo, step), min(top, hi) + 1, step))
+    return sorted(x for x in out if lo <= x <= hi) or [hi]
 
 
 @dataclass
 class DefaultBucketConfig(BucketConfig):
     """fxcompiler's default: a ladder of buckets, so batching and short prompts pad little.
 
-    Prefill: batch 1, 2, 3, ... ``max_prefill_batch`` × attention 16, 24, 32, 48, 64, 96, ... ``max_prompt_len``.
+    Prefill: batch 1, 2, 3, ... ``max_prefill_batch`` × attention every 16 tokens to 256, every 64 to 1024, then every 256, up to ``max_prompt_len``.
     Decode: batch 1, 2, 4, 8, 16, 24, 32, 48, 64, ... ``max_decode_batch`` × ``max_seq_len``.
     (furiosa's default is :class:`MinimalBucketConfig`, i.e. batch 1 only: on an NPU every
     bucket is a separate compiled binary; here fx graphs are shape-dynamic, so a ladder is free.)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fxcompiler.ops.paged_attention import paged_attention_reference
+from fxcompiler.ops.paged_attention import attend_reference, paged_attention_reference
 
 from . import _build
 
@@ -66,6 +66,11 @@ def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_m
             and key.dtype == k_cache.dtype:
         return mod.paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
                                        seq_lens, scale, sliding_window, softcap)
+    if mod is not None and key.dtype == k_cache.dtype:
+        # Prefill: the C++ cache write (ATen's index_copy_ is slow with many rows), then SDPA.
+        mod.write_cache(key, value, k_cache, v_cache, slot_mapping)
+        return attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
+                                softcap)
     return paged_attention_reference(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
                                      seq_lens, scale, sliding_window, softcap)
 

@@ -36,16 +36,26 @@ def paged_attention_reference(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """Eager kernel for every device: cache write, block gather, masked softmax attention."""
-    B, Hq, S, D = query.shape
-    Hkv = key.shape[1]
-    G = Hq // Hkv
+    write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
+    return attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
+                            softcap)
+
+
+def write_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
+    """Write this step's K/V rows ``[B, Hkv, S, D]`` into the cache slots ``slot_mapping[B, S]``."""
+    B, Hkv, S, D = key.shape
     nb, bs = k_cache.shape[0], k_cache.shape[1]
     slots = slot_mapping.reshape(-1)
-    k_flat = k_cache.view(nb * bs, Hkv, D)
-    v_flat = v_cache.view(nb * bs, Hkv, D)
-    k_flat.index_copy_(0, slots, key.transpose(1, 2).reshape(B * S, Hkv, D).to(k_cache.dtype))
-    v_flat.index_copy_(0, slots, value.transpose(1, 2).reshape(B * S, Hkv, D).to(v_cache.dtype))
+    k_cache.view(nb * bs, Hkv, D).index_copy_(0, slots, key.transpose(1, 2).reshape(B * S, Hkv, D).to(k_cache.dtype))
+    v_cache.view(nb * bs, Hkv, D).index_copy_(0, slots, value.transpose(1, 2).reshape(B * S, Hkv, D).to(v_cache.dtype))
 
+
+def attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window=-1,
+                     softcap=0.0) -> torch.Tensor:
+    """Attention of ``query[B, Hq, S, D]`` over the cached context named by the block table."""
+    B, Hq, S, D = query.shape
+    Hkv = k_cache.shape[2]
+    bs = k_cache.shape[1]
     MB = block_table.shape[1]
     L = MB * bs
     flat_blocks = block_table.reshape(-1)

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstring>
 #include <type_traits>
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -25,21 +26,35 @@ template <typename scalar_t>
 void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
                  torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
   const int64_t B = key.size(0), Hkv = key.size(1), S = key.size(2), D = key.size(3);
-  auto ka = key.accessor<scalar_t, 4>();
-  auto va = value.accessor<scalar_t, 4>();
   auto sm = slot_mapping.accessor<int64_t, 2>();
   scalar_t* kc = k_cache.data_ptr<scalar_t>();
   scalar_t* vc = v_cache.data_ptr<scalar_t>();
+  const scalar_t* kp = key.data_ptr<scalar_t>();
+  const scalar_t* vp = value.data_ptr<scalar_t>();
   const int64_t row = Hkv * D;
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t s = 0; s < S; ++s) {
+  const auto ks = key.strides(), vs = value.strides();
+  const bool rows_contiguous = ks[3] == 1 && vs[3] == 1;
+  at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / S, s = i % S;
       const int64_t slot = sm[b][s];
-      for (int64_t h = 0; h < Hkv; ++h)
-        for (int64_t d = 0; d < D; ++d) {
-          kc[slot * row + h * D + d] = ka[b][h][s][d];
-          vc[slot * row + h * D + d] = va[b][h][s][d];
+      for (int64_t h = 0; h < Hkv; ++h) {
+        scalar_t* kd = kc + slot * row + h * D;
+        scalar_t* vd = vc + slot * row + h * D;
+        const scalar_t* kr = kp + b * ks[0] + h * ks[1] + s * ks[2];
+        const scalar_t* vr = vp + b * vs[0] + h * vs[1] + s * vs[2];
+        if (rows_contiguous) {
+          std::memcpy(kd, kr, D * sizeof(scalar_t));
+          std::memcpy(vd, vr, D * sizeof(scalar_t));
+        } else {
+          for (int64_t d = 0; d < D; ++d) {
+            kd[d] = kr[d * ks[3]];
+            vd[d] = vr[d * vs[3]];
+          }
         }
+      }
     }
+  });
 }
 
 // exp(x) for x <= 0 over a row, vectorised (Cephes-style polynomial, ~2 ulp) where AVX-512 is on.
@@ -239,8 +254,18 @@ torch::Tensor paged_attention_cpu(torch::Tensor query, torch::Tensor key, torch:
   return out;
 }
 
+void write_cache_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                     torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "fxc write_cache: caches must be contiguous");
+  TORCH_CHECK(key.scalar_type() == k_cache.scalar_type(), "fxc write_cache: key/cache dtypes must match");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "fxc_write_cache", [&] {
+    write_cache<scalar_t>(key, value, k_cache, v_cache, slot_mapping);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_cpu", &paged_attention_cpu, "fxc::paged_attention CPU kernel (decode-shaped calls)");
+  m.def("write_cache", &write_cache_cpu, "write K/V rows [B, Hkv, S, D] into cache slots [B, S]");
 }
