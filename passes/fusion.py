@@ -1,8 +1,8 @@
 """Fusion passes that cut the number of kernels a step dispatches.
 
 * ``fuse_rms_norm``: the decomposed RMSNorm transformers emits (``pow → mean → add eps →
-  rsqrt → mul x → mul weight``, with no dtype casts in between) becomes one
-  ``aten._fused_rms_norm``.
+  rsqrt → mul x → mul weight``, with no dtype casts in between) becomes one ``fxc::rms_norm``.
+* ``fuse_silu_mul``: ``silu(gate) * up`` (the gated MLP) becomes one ``fxc::silu_mul``.
 * ``fuse_projections``: matmuls that read the same activation with different parameter
   weights (q/k/v, gate/up) become one matmul with the weights concatenated along N,
   followed by a split; one bigger GEMV streams memory better than three small ones.
@@ -18,6 +18,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
+from fxcompiler.ops import fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul)
 from fxcompiler.pass_manager import CompileContext, PassResult, register_pass
 
 aten = torch.ops.aten
@@ -62,13 +63,36 @@ class FuseRmsNormPass:
                     or any(len(n.users) != 1 for n in (pow_, mean, add)):
                 continue
             with graph.inserting_before(scale):
-                call = graph.call_function(aten._fused_rms_norm.default, (x, [int(xv.shape[-1])], w, add.args[1]))
-                out = graph.call_function(operator.getitem, (call, 0))
-            call.meta["val"] = (_val(scale), None)
+                out = graph.call_function(torch.ops.fxc.rms_norm.default, (x, w, float(add.args[1])))
             out.meta["val"] = _val(scale)
             scale.replace_all_uses_with(out)
             for n in (scale, norm, rsqrt, add, mean, pow_):
                 graph.erase_node(n)
+            fused += 1
+        return PassResult(gm, fused > 0, {"fused": fused})
+
+
+@register_pass("fuse_silu_mul")
+class FuseSiluMulPass:
+    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
+        graph, fused = gm.graph, 0
+        for silu in [n for n in graph.nodes if _is(n, aten.silu.default)]:
+            if len(silu.users) != 1:
+                continue
+            mul = next(iter(silu.users))
+            if not _is(mul, aten.mul.Tensor) or len(mul.args) != 2:
+                continue
+            up = mul.args[1] if mul.args[0] is silu else mul.args[0]
+            sv, uv = _val(silu), _val(up)
+            if not isinstance(up, Node) or sv is None or uv is None or tuple(sv.shape) != tuple(uv.shape) \
+                    or sv.dtype != uv.dtype:
+                continue
+            with graph.inserting_before(mul):
+                out = graph.call_function(torch.ops.fxc.silu_mul.default, (silu.args[0], up))
+            out.meta["val"] = _val(mul)
+            mul.replace_all_uses_with(out)
+            graph.erase_node(mul)
+            graph.erase_node(silu)
             fused += 1
         return PassResult(gm, fused > 0, {"fused": fused})
 

@@ -1,4 +1,5 @@
-"""CPU kernel for ``fxc::paged_attention`` (decode-shaped calls), built on first use.
+"""CPU kernels for ``fxc::paged_attention`` (decode-shaped calls), ``fxc::rms_norm`` and
+``fxc::silu_mul``, built on first use into one extension module.
 
 Decode is the hot path: one query token per sequence, called once per layer per
 step. The ATen reference (gather + SDPA) costs ~15 small ops a call; the C++ kernel
@@ -19,7 +20,8 @@ from fxcompiler.ops.paged_attention import attend_reference, paged_attention_ref
 
 from . import _build
 
-_SRC = Path(__file__).resolve().parent / "csrc" / "paged_attention.cpp"
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp")
 MAX_KERNEL_QUERY_TOKENS = 4  # beyond this, SDPA's blocked kernel wins
 _lock = threading.Lock()
 _state: dict = {"module": None, "tried": False, "error": None}
@@ -33,12 +35,13 @@ def _load():
     if isa == "aten":
         raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
     flags = ["-O3", "-fopenmp", "-fno-math-errno"] + _build._FLAGS[isa]
-    digest = hashlib.sha256(_SRC.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags).encode()
+                            + torch.__version__.encode()).hexdigest()
     name = f"fxc_paged_attention_{isa}_{digest[:12]}"
     build_dir = _build.cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", "2")
-    return cpp_extension.load(name=name, sources=[str(_SRC)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+    return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
                               build_directory=str(build_dir), verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")))
 
 
@@ -82,6 +85,11 @@ def install() -> bool:
         return False
     with _lock:
         if _impl_lib is None:
+            import fxcompiler.ops.fused  # noqa: F401  (defines the fused ops before we implement them)
+
+            mod = _state["module"]
             _impl_lib = torch.library.Library("fxc", "IMPL")
             _impl_lib.impl("paged_attention", paged_attention_cpu, "CPU")
+            _impl_lib.impl("rms_norm", mod.rms_norm, "CPU")
+            _impl_lib.impl("silu_mul", mod.silu_mul, "CPU")
     return True

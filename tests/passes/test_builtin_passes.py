@@ -75,3 +75,17 @@ def test_dce_drops_dead_nodes_and_unused_params():
     gm.recompile()
     _, _, (info,) = _run(["dce"], program)
     assert info["removed_nodes"] >= 1
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cfg=testing.model_configs(archs=("llama", "qwen2", "mistral")), bucket=testing.buckets())
+def test_rms_norm_fusion_fp32(cfg, bucket):
+    """In fp32 graphs RMSNorm has no casts, so the pattern matches (2 per layer + the final norm)."""
+    program = testing.capture_tiny_model(cfg, dtype=torch.float32)
+    inputs = testing.example_inputs(program, bucket)
+    before = ("strip_asserts", "fold_casts", "dce")
+    info = testing.assert_pass_preserves_semantics(get_pass("fuse_rms_norm"), program, inputs, rtol=2e-5, atol=2e-5,
+                                                   passes_before=tuple(get_pass(n) for n in before))
+    assert info["fused"] == 2 * cfg.layers + 1
+    info = testing.assert_pass_preserves_semantics(get_pass("fuse_silu_mul"), program, inputs, rtol=2e-5, atol=2e-5)
+    assert info["fused"] == cfg.layers

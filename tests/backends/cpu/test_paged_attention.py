@@ -51,3 +51,19 @@ def test_op_dispatches_to_kernel_for_decode():
     out = torch.ops.fxc.paged_attention(q, k, k.clone(), kc, kc.clone(), torch.tensor([[1]]), torch.tensor([[16]]),
                                         torch.tensor([[0]]), torch.tensor([1]), 0.25)
     torch.testing.assert_close(out, k.repeat_interleave(2, dim=1).transpose(1, 2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 70), hidden=st.sampled_from([7, 16, 64, 576]),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_fused_kernels_match_references(rows, hidden, dtype, seed):
+    from fxcompiler.ops.fused import rms_norm_reference, silu_mul_reference
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden, generator=g) * 3).to(dtype)
+    w = torch.randn(hidden, generator=g).to(dtype)
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(torch.ops.fxc.rms_norm(x, w, 1e-5), rms_norm_reference(x, w, 1e-5), rtol=tol,
+                               atol=tol)
+    up = torch.randn(rows, hidden, generator=g).to(dtype)
+    torch.testing.assert_close(torch.ops.fxc.silu_mul(x, up), silu_mul_reference(x, up), rtol=tol, atol=tol)

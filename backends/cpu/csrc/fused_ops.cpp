@@ -1,0 +1,89 @@
+// CPU kernels for fxc::rms_norm and fxc::silu_mul (fp32 vectorised; other dtypes via fp32/fp64 math).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+template <typename scalar_t>
+void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, int64_t H, double eps) {
+  using acc_t = typename Acc<scalar_t>::type;
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const scalar_t* xr = x + r * H;
+      scalar_t* yr = y + r * H;
+      acc_t ss = 0;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < H; ++i) ss += static_cast<acc_t>(xr[i]) * static_cast<acc_t>(xr[i]);
+      const acc_t inv = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(H) + static_cast<acc_t>(eps));
+#pragma omp simd
+      for (int64_t i = 0; i < H; ++i)
+        yr[i] = static_cast<scalar_t>(static_cast<acc_t>(w[i]) * (static_cast<acc_t>(xr[i]) * inv));
+    }
+  });
+}
+
+#ifdef __AVX512F__
+inline __m512 exp512(__m512 v) {
+  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), v);
+  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), v);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
+void silu_mul_f32(const float* g, const float* u, float* y, int64_t n) {
+  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+#ifdef __AVX512F__
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= end; i += 16) {
+      __m512 a = _mm512_loadu_ps(g + i);
+      __m512 s = _mm512_div_ps(a, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+      _mm512_storeu_ps(y + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < end; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  });
+}
+
+}  // namespace
+
+torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.size(-1) == weight.numel(), "fxc::rms_norm: weight size must equal the last dim of x");
+  auto xc = x.contiguous();
+  auto wc = weight.to(x.scalar_type()).contiguous();
+  auto y = torch::empty_like(xc);
+  const int64_t H = x.size(-1), rows = H ? xc.numel() / H : 0;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fxc_rms_norm", [&] {
+    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, H, eps);
+  });
+  return y;
+}
+
+torch::Tensor fxc_silu_mul_cpu(torch::Tensor gate, torch::Tensor up) {
+  TORCH_CHECK(gate.sizes() == up.sizes(), "fxc::silu_mul: gate and up must have the same shape");
+  if (gate.scalar_type() != at::kFloat || up.scalar_type() != at::kFloat)
+    return torch::silu(gate) * up;
+  auto g = gate.contiguous(), u = up.contiguous();
+  auto y = torch::empty_like(g);
+  silu_mul_f32(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel());
+  return y;
+}
