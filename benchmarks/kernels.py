@@ -13,7 +13,8 @@ fastest call.  On a shared VM use --wait-quiet (waits for idle CPUs before each 
 
 Candidates:
   fp32: fxc.linear, torch.mm(x, W^T pre-transposed), F.linear(x, W), mkl packed (inductor freezing, fp32)
-  bf16: fxc.linear, torch.mm(x, W^T), F.linear(x, W), oneDNN packed (mkldnn._linear_pointwise)
+  bf16: fxc.linear (fp32 x), fxc.linear (bf16 x), torch.mm(x, W^T), F.linear(x, W), oneDNN packed
+        (mkldnn._linear_pointwise); the torch candidates take bf16 x
   int8: fxc.linear_w8 (per channel, and group 64), aten._weight_int8pack_mm (per channel)
 """
 
@@ -89,8 +90,12 @@ def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
         es = 4 if dt == torch.float32 else 2
         c = copies_for(n * k * es, pool_mb)
         wd = w.to(dt)
-        wps = [fxc.pack_linear_weight(wd, dt) for _ in range(c)]
+        wp0 = fxc.pack_linear_weight(wd, dt)
+        wps = [wp0.clone() for _ in range(c)]
         yield "fxc.linear", lambda x: (lambda wp: torch.ops.fxc.linear(x, wp, None, n), [(p,) for p in wps])
+        if dt == torch.bfloat16:  # same kernel fed bf16 activations (bf16 output), as the torch candidates
+            yield "fxc.linear (x bf16)", lambda x: (lambda wp, xb=x.bfloat16(): torch.ops.fxc.linear(xb, wp, None, n),
+                                                    [(p,) for p in wps])
         del wps
         wts = [wd.t().contiguous() for _ in range(c)]
         yield "torch.mm(W^T)", lambda x: (lambda wt: torch.mm(x, wt), [(t,) for t in wts])
@@ -133,7 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="fp32,bf16,int8")
     ap.add_argument("--shapes", default=None, help="K:N,K:N,... (default SmolLM2 shapes)")
     ap.add_argument("--pool-mb", type=int, default=None,
-                    help="weight bytes cycled per candidate (default 256; 0 = one hot weight)")
+                    help="weight MiB cycled per candidate (default 512, --quick 256; 0 = one hot weight)")
     ap.add_argument("--time", type=float, default=None, help="seconds per measurement")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--wait-quiet", action="store_true",
@@ -144,8 +149,8 @@ def main(argv=None) -> int:
     m_list = [int(v) for v in (args.m or ("1,16" if args.quick else "1,16,64")).split(",")]
     shapes = ([tuple(int(t) for t in s.split(":")) for s in args.shapes.split(",")] if args.shapes
               else (QUICK_SHAPES if args.quick else SHAPES))
-    pool_mb = args.pool_mb if args.pool_mb is not None else (128 if args.quick else 256)
-    min_time = args.time if args.time is not None else (0.08 if args.quick else 0.15)
+    pool_mb = args.pool_mb if args.pool_mb is not None else (256 if args.quick else 512)
+    min_time = args.time if args.time is not None else (0.05 if args.quick else 0.1)
 
     t0 = time.perf_counter()
     ok = fxc.kernels_available()

@@ -433,8 +433,8 @@ struct alignas(64) TileConfig {
 constexpr int64_t kAmxMinM = 8;  // below: the FMA kernels (bandwidth bound anyway)
 
 // Tiles: 0..3 C (2 row blocks x 2 column halves), 4/5 A (row blocks), 6/7 B (column halves).
-// xh/xl: bf16 [Mpad, lda] (lda multiple of 32, zero padded), xl may be null.
-void run_amx(const Problem& pb, bool int8_w, const uint16_t* xh, const uint16_t* xl, int64_t lda, int64_t Mpad) {
+// xh/xl: bf16 activations blocked as [Mpad/16][chunks][16 rows][32 k] (zero padded), xl may be null.
+void run_amx(const Problem& pb, bool int8_w, const uint16_t* xh, const uint16_t* xl, int64_t Mpad) {
   const int64_t Q = (int8_w ? pb.K + 1 : pb.Kp) / 2;  // k pairs
   const int64_t chunks = (Q + 15) / 16;                 // 32 k per chunk
   const int64_t mpairs = (Mpad / 16 + 1) / 2;
@@ -501,22 +501,21 @@ void run_amx(const Problem& pb, bool int8_w, const uint16_t* xh, const uint16_t*
           for (int off = 0; off < 2048; off += 64) prefetch(reinterpret_cast<const char*>(bsrc) + 4096 + off);
           _tile_loadd(6, bsrc, 2 * NB * 2);
           _tile_loadd(7, bsrc + 32, 2 * NB * 2);
-          const uint16_t* a = xh + m0 * lda + c * 32;
-          _tile_loadd(4, a, lda * 2);
+          const int64_t ao = ((m0 / 16) * chunks + c) * 512;  // A tiles: contiguous 16 x 32 blocks
+          _tile_loadd(4, xh + ao, 64);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           if (two) {
-            _tile_loadd(5, a + 16 * lda, lda * 2);
+            _tile_loadd(5, xh + ao + chunks * 512, 64);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
           }
           if (xl) {
-            const uint16_t* al = xl + m0 * lda + c * 32;
-            _tile_loadd(4, al, lda * 2);
+            _tile_loadd(4, xl + ao, 64);
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             if (two) {
-              _tile_loadd(5, al + 16 * lda, lda * 2);
+              _tile_loadd(5, xl + ao + chunks * 512, 64);
               _tile_dpbf16ps(2, 5, 6);
               _tile_dpbf16ps(3, 5, 7);
             }
@@ -565,28 +564,28 @@ bool try_amx(const Problem& pb, bool int8_w, bool x_is_bf16) {
   if (pb.M < kAmxMinM || !amx_usable()) return false;
   if (pb.grp_scale && pb.group % 32 != 0) return false;
   const int64_t K = pb.K;
-  const int64_t lda = (K + 31) / 32 * 32;
+  const int64_t chunks = (K + 31) / 32;
   const int64_t Mpad = (pb.M + 15) / 16 * 16;
-  std::vector<uint16_t> xh(static_cast<size_t>(Mpad) * lda, 0), xl;
+  std::vector<uint16_t> xh(static_cast<size_t>(Mpad) * chunks * 32, 0), xl;
   if (!x_is_bf16) xl.assign(xh.size(), 0);
   // x ~= hi + lo with hi = bf16(x), lo = bf16(x - hi); for bf16 x, hi is exact and lo = 0.
   for (int64_t m = 0; m < pb.M; ++m) {
     const float* src = pb.x + m * pb.ldx;
-    uint16_t* h = xh.data() + m * lda;
-    uint16_t* l = x_is_bf16 ? nullptr : xl.data() + m * lda;
+    const int64_t row = (m / 16) * chunks * 512 + (m % 16) * 32;  // + c * 512 + (k % 32)
     for (int64_t k = 0; k < K; k += 16) {
       const int nk = static_cast<int>(std::min<int64_t>(16, K - k));
       const __mmask16 mk = static_cast<__mmask16>((1u << nk) - 1);
       const __m512 v = _mm512_maskz_loadu_ps(mk, src + k);
       const __m256i hi = bf16_rne(v);
-      _mm256_mask_storeu_epi16(h + k, mk, hi);
-      if (l) {
+      const int64_t o = row + (k / 32) * 512 + (k % 32);
+      _mm256_mask_storeu_epi16(xh.data() + o, mk, hi);
+      if (!x_is_bf16) {
         const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-        _mm256_mask_storeu_epi16(l + k, mk, bf16_rne(_mm512_sub_ps(v, hf)));
+        _mm256_mask_storeu_epi16(xl.data() + o, mk, bf16_rne(_mm512_sub_ps(v, hf)));
       }
     }
   }
-  run_amx(pb, int8_w, xh.data(), xl.empty() ? nullptr : xl.data(), lda, Mpad);
+  run_amx(pb, int8_w, xh.data(), xl.empty() ? nullptr : xl.data(), Mpad);
   return true;
 }
 #else

@@ -125,6 +125,19 @@ def test_aten_fallback_matches_kernel(m, k, n, wdt):
                                rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [100, 256])
+def test_large_m(m):
+    k, n = 200, 90
+    w, x, b = _rand(n, k, seed=m), _rand(m, k, seed=1), _rand(n, seed=2)
+    for dt in (torch.float32, torch.bfloat16):
+        _check(torch.ops.fxc.linear(x, fxc.pack_linear_weight(w, dt), b, n), x, w.to(dt).double(), b)
+        _check(torch.ops.fxc.linear(x.bfloat16(), fxc.pack_linear_weight(w, dt), b, n), x.bfloat16(),
+               w.to(dt).double(), b)
+    for g in (-1, 40):
+        q, s = fxc.quantize_linear_weight_int8(w, g)
+        _check(torch.ops.fxc.linear_w8(x, q, s, b, n, g), x, fxc.dequantize_linear_weight_int8(q, s, n, g).double(), b)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pack_unpack_roundtrip(dtype):
     w = _rand(45, 33, seed=0, dtype=dtype)
@@ -205,7 +218,7 @@ _PATHS_CODE = """
     import torch
     import backends.cpu as fxc
     torch.manual_seed(0)
-    for m, k, n in [(1, 77, 50), (2, 64, 70), (3, 130, 70), (5, 64, 33), (13, 96, 40), (17, 33, 100), (40, 128, 64)]:
+    for m, k, n in [(1, 77, 50), (2, 64, 70), (3, 130, 70), (5, 64, 33), (13, 96, 40), (17, 33, 100), (40, 128, 64), (130, 64, 70)]:
         w, x, b = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
         for dt in (torch.float32, torch.bfloat16):
             wr = w.to(dt).double()
