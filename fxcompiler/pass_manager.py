@@ -210,8 +210,8 @@ class PassManager:
         return gm
 
 
-DEFAULT_PASSES = ("strip_asserts", "fold_casts", "dce", "fuse_rms_norm", "fuse_silu_mul", "weight_layout",
-                  "fuse_projections", "dce")
+DEFAULT_PASSES = ("strip_asserts", "fold_casts", "dce", "fuse_rms_norm", "fuse_silu_mul", "fuse_rope",
+                  "weight_layout", "fuse_projections", "dce")
 
 
 def build_pass_list(options: dict[str, Any] | None = None) -> list[Pass]:

@@ -3,6 +3,8 @@
 * ``fuse_rms_norm``: the decomposed RMSNorm transformers emits (``pow → mean → add eps →
   rsqrt → mul x → mul weight``, with no dtype casts in between) becomes one ``fxc::rms_norm``.
 * ``fuse_silu_mul``: ``silu(gate) * up`` (the gated MLP) becomes one ``fxc::silu_mul``.
+* ``fuse_rope``: ``x * cos + cat(-x[..., h:], x[..., :h]) * sin`` (transformers'
+  ``apply_rotary_pos_emb``) becomes one ``fxc::rope``; the dead pieces go at the next ``dce``.
 * ``fuse_projections``: matmuls that read the same activation with different parameter
   weights (q/k/v, gate/up) become one matmul with the weights concatenated along N,
   followed by a split; one bigger GEMV streams memory better than three small ones.
@@ -93,6 +95,65 @@ class FuseSiluMulPass:
             mul.replace_all_uses_with(out)
             graph.erase_node(mul)
             graph.erase_node(silu)
+            fused += 1
+        return PassResult(gm, fused > 0, {"fused": fused})
+
+
+def _rotate_half_of(cat: Node) -> Node | None:
+    """``x`` if ``cat`` is ``cat([neg(x[..., h:]), x[..., :h]], -1)`` with h = D/2, else None."""
+    if not _is(cat, aten.cat.default) or len(cat.args[0]) != 2:
+        return None
+    neg, lo = cat.args[0]
+    if not _is(neg, aten.neg.default) or not _is(lo, aten.slice.Tensor):
+        return None
+    hi = neg.args[0]
+    if not _is(hi, aten.slice.Tensor) or hi.args[0] is not lo.args[0]:
+        return None
+    x = lo.args[0]
+    xv = _val(x)
+    if xv is None:
+        return None
+    last = xv.dim() - 1
+    dim = cat.args[1] if len(cat.args) > 1 else 0
+    d = xv.shape[-1]
+    if dim not in (-1, last) or hi.args[1] not in (-1, last) or lo.args[1] not in (-1, last) or d % 2:
+        return None
+    h = d // 2
+    if tuple(lo.args[2:4]) != (0, h) or hi.args[2] != h or (len(hi.args) > 3 and hi.args[3] < d):
+        return None
+    return x
+
+
+@register_pass("fuse_rope")
+class FuseRopePass:
+    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
+        graph, fused = gm.graph, 0
+        for add in [n for n in graph.nodes if _is(n, aten.add.Tensor) and len(n.args) == 2]:
+            a, b = add.args
+            if not (_is(a, aten.mul.Tensor) and _is(b, aten.mul.Tensor)):
+                continue
+            rot = None
+            for m_cos, m_sin in ((a, b), (b, a)):
+                for cat, sin in ((m_sin.args[0], m_sin.args[1]), (m_sin.args[1], m_sin.args[0])):
+                    x = _rotate_half_of(cat) if isinstance(cat, Node) else None
+                    if x is None or x not in m_cos.args:
+                        continue
+                    cos = m_cos.args[1] if m_cos.args[0] is x else m_cos.args[0]
+                    rot = (x, cos, sin)
+                    break
+                if rot:
+                    break
+            if rot is None:
+                continue
+            x, cos, sin = rot
+            xv, cv, sv = _val(x), _val(cos), _val(sin)
+            if any(not isinstance(v, torch.Tensor) for v in (xv, cv, sv)) or not (xv.dtype == cv.dtype == sv.dtype):
+                continue
+            with graph.inserting_before(add):
+                out = graph.call_function(torch.ops.fxc.rope.default, (x, cos, sin))
+            out.meta["val"] = _val(add)
+            add.replace_all_uses_with(out)
+            graph.erase_node(add)
             fused += 1
         return PassResult(gm, fused > 0, {"fused": fused})
 

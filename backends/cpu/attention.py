@@ -1,5 +1,5 @@
-"""CPU kernels for ``fxc::paged_attention`` (decode-shaped calls), ``fxc::rms_norm`` and
-``fxc::silu_mul``, built on first use into one extension module.
+"""CPU kernels for ``fxc::paged_attention`` (decode-shaped calls), ``fxc::rms_norm``,
+``fxc::silu_mul`` and ``fxc::rope``, built on first use into one extension module.
 
 Decode is the hot path: one query token per sequence, called once per layer per
 step. The ATen reference (gather + SDPA) costs ~15 small ops a call; the C++ kernel
@@ -34,7 +34,7 @@ def _load():
     isa = _build.detect_isa()
     if isa == "aten":
         raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
-    flags = ["-O3", "-fopenmp", "-fno-math-errno"] + _build._FLAGS[isa]
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"] + _build._FLAGS[isa]
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags).encode()
                             + torch.__version__.encode()).hexdigest()
     name = f"fxc_paged_attention_{isa}_{digest[:12]}"
@@ -92,4 +92,5 @@ def install() -> bool:
             _impl_lib.impl("paged_attention", paged_attention_cpu, "CPU")
             _impl_lib.impl("rms_norm", mod.rms_norm, "CPU")
             _impl_lib.impl("silu_mul", mod.silu_mul, "CPU")
+            _impl_lib.impl("rope", mod.rope, "CPU")
     return True

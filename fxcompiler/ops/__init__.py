@@ -1,6 +1,6 @@
 """fxcompiler's torch.library ops (namespace ``fxc``); importing registers them."""
-from .fused import rms_norm, rms_norm_reference, silu_mul, silu_mul_reference
+from .fused import rms_norm, rms_norm_reference, rope, rope_reference, silu_mul, silu_mul_reference
 from .paged_attention import paged_attention, paged_attention_reference
 
-__all__ = ["paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference", "silu_mul",
+__all__ = ["paged_attention", "paged_attention_reference", "rms_norm", "rms_norm_reference", "rope", "rope_reference", "silu_mul",
            "silu_mul_reference"]

@@ -79,8 +79,8 @@ def test_dce_drops_dead_nodes_and_unused_params():
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cfg=testing.model_configs(archs=("llama", "qwen2", "mistral")), bucket=testing.buckets())
-def test_rms_norm_fusion_fp32(cfg, bucket):
-    """In fp32 graphs RMSNorm has no casts, so the pattern matches (2 per layer + the final norm)."""
+def test_elementwise_fusions_fp32(cfg, bucket):
+    """fp32 graphs: RMSNorm (no casts: 2 per layer + the final norm), SiLU·mul and RoPE fuse."""
     program = testing.capture_tiny_model(cfg, dtype=torch.float32)
     inputs = testing.example_inputs(program, bucket)
     before = ("strip_asserts", "fold_casts", "dce")
@@ -89,3 +89,5 @@ def test_rms_norm_fusion_fp32(cfg, bucket):
     assert info["fused"] == 2 * cfg.layers + 1
     info = testing.assert_pass_preserves_semantics(get_pass("fuse_silu_mul"), program, inputs, rtol=2e-5, atol=2e-5)
     assert info["fused"] == cfg.layers
+    info = testing.assert_pass_preserves_semantics(get_pass("fuse_rope"), program, inputs, rtol=0, atol=0)
+    assert info["fused"] == 2 * cfg.layers  # q and k of every layer, bit-identical

@@ -87,3 +87,40 @@ torch::Tensor fxc_silu_mul_cpu(torch::Tensor gate, torch::Tensor up) {
   silu_mul_f32(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel());
   return y;
 }
+
+// fxc::rope: out = x * cos + rotate_half(x) * sin over the last dim (x any strides; cos/sin broadcast).
+// Compiled without FMA contraction so results equal the ATen reference bit for bit.
+torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+  TORCH_CHECK(x.dim() == 4 && x.size(-1) % 2 == 0, "fxc::rope: x must be [B, H, S, D] with even D");
+  if (x.scalar_type() != at::kFloat || cos.scalar_type() != at::kFloat || sin.scalar_type() != at::kFloat) {
+    const int64_t h = x.size(-1) / 2;
+    return x * cos + torch::cat({-x.narrow(-1, h, h), x.narrow(-1, 0, h)}, -1) * sin;
+  }
+  auto c = cos.expand_as(x), s = sin.expand_as(x);
+  auto out = torch::empty(x.sizes(), x.options());
+  const int64_t B = x.size(0), H = x.size(1), S = x.size(2), D = x.size(3), h = D / 2;
+  auto xa = x.accessor<float, 4>();
+  auto ca = c.accessor<float, 4>();
+  auto sa = s.accessor<float, 4>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B * H * S, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / (H * S), hh = (i / S) % H, t = i % S;
+      auto xr = xa[b][hh][t];
+      auto cr = ca[b][hh][t];
+      auto sr = sa[b][hh][t];
+      float* dst = o + i * D;
+      for (int64_t d = 0; d < h; ++d) {
+        const float p = xr[d] * cr[d];
+        const float q = -xr[d + h] * sr[d];
+        dst[d] = p + q;
+      }
+      for (int64_t d = h; d < D; ++d) {
+        const float p = xr[d] * cr[d];
+        const float q = xr[d - h] * sr[d];
+        dst[d] = p + q;
+      }
+    }
+  });
+  return out;
+}

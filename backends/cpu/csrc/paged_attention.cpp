@@ -267,10 +267,12 @@ void write_cache_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cac
 
 torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);  // fused_ops.cpp
 torch::Tensor fxc_silu_mul_cpu(torch::Tensor gate, torch::Tensor up);                // fused_ops.cpp
+torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);    // fused_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_cpu", &paged_attention_cpu, "fxc::paged_attention CPU kernel (decode-shaped calls)");
   m.def("write_cache", &write_cache_cpu, "write K/V rows [B, Hkv, S, D] into cache slots [B, S]");
   m.def("rms_norm", &fxc_rms_norm_cpu, "fxc::rms_norm CPU kernel");
   m.def("silu_mul", &fxc_silu_mul_cpu, "fxc::silu_mul CPU kernel");
+  m.def("rope", &fxc_rope_cpu, "fxc::rope CPU kernel");
 }

@@ -67,3 +67,16 @@ def test_fused_kernels_match_references(rows, hidden, dtype, seed):
                                atol=tol)
     up = torch.randn(rows, hidden, generator=g).to(dtype)
     torch.testing.assert_close(torch.ops.fxc.silu_mul(x, up), silu_mul_reference(x, up), rtol=tol, atol=tol)
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 9), d=st.sampled_from([8, 16, 64]),
+       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
+def test_rope_kernel_is_bit_identical_to_reference(b, h, s, d, dtype, seed):
+    from fxcompiler.ops.fused import rope_reference
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, h, d, generator=g).to(dtype).transpose(1, 2)  # strided like transformers' q/k
+    cos = torch.randn(b, 1, s, d, generator=g).to(dtype)
+    sin = torch.randn(b, 1, s, d, generator=g).to(dtype)
+    assert torch.equal(torch.ops.fxc.rope(x, cos, sin), rope_reference(x, cos, sin))
