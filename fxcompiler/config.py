@@ -22,9 +22,8 @@ def _positive_int(name: str, value: Any, minimum: int = 1) -> int:
 class SchedulerConfig:
     """Scheduler knobs with their furiosa meaning.
 
-    * ``npu_queue_limit``: engine steps that may be in flight (submitted, results not yet
-      consumed) at once; the in-process CPU executor pipelines output processing with
-      the next step up to this depth.
+    * ``npu_queue_limit``: engine steps that may be in flight (run, results not yet
+      consumed) at once; the engine's worker thread stalls beyond it (runtime/driver.py).
     * ``max_processing_samples``: cap on sequences being processed concurrently.
     * ``spare_blocks_ratio``: fraction of KV blocks held back when admitting new prompts.
     * ``is_offline``: throughput mode (admit as many prompts as fit before decoding).

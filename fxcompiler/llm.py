@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import queue
 import logging
 import os
 import threading
@@ -285,6 +286,10 @@ class LLM:
                 tokenizer=self.tokenizer, eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
         self._lock = threading.Lock()
         self._pending: dict[str, list[RequestOutput]] = {}
+        if self.engine is not None:
+            from runtime.driver import EngineDriver
+
+            self._driver = EngineDriver(self.engine, scheduler_config.npu_queue_limit, self._lock)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _eos_token_ids(self) -> frozenset[int]:
@@ -360,9 +365,17 @@ class LLM:
         return single, prompts_list, ids, finals
 
     def _step_and_dispatch(self) -> None:
-        with self._lock:
-            for out in self.engine.step():
-                self._pending.setdefault(out.request_id, []).append(out)
+        """Wait (briefly) for the next engine step's outputs and file them by request id.
+
+        The engine runs on the driver's worker thread, at most ``npu_queue_limit`` steps
+        ahead of the callers consuming its outputs."""
+        self._driver.kick()
+        try:
+            outs = self._driver.next_outputs(timeout=0.05)
+        except queue.Empty:
+            return
+        for out in outs or ():
+            self._pending.setdefault(out.request_id, []).append(out)
 
     # -- public API ------------------------------------------------------------------------------
     def generate(self, prompts: str | List[str], sampling_params: SamplingParams = SamplingParams(),  # noqa: B008
@@ -389,9 +402,10 @@ class LLM:
                 if len(results) < len(request_ids):
                     self._step_and_dispatch()
         except BaseException:
-            for rid in request_ids:
-                if rid not in results:
-                    engine.abort_request(rid)
+            with self._lock:
+                for rid in request_ids:
+                    if rid not in results:
+                        engine.abort_request(rid)
             raise
         outputs = [results[r] for r in request_ids]
         return outputs[0] if single else outputs

@@ -1,0 +1,70 @@
+"""Runs engine steps on a worker thread, at most ``npu_queue_limit`` steps ahead of the consumer.
+
+furiosa's ``npu_queue_limit`` bounds how many submitted steps may be in flight before
+their results are consumed. Here the worker keeps stepping the engine while requests
+are unfinished and hands each step's outputs to a queue of that size: a slow consumer
+(a streaming client) stalls the engine after ``npu_queue_limit`` steps instead of
+letting it run away, and a fast one overlaps its own work (printing, network writes)
+with the next step.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+from fxcompiler.outputs import RequestOutput
+
+from .engine import Engine
+
+_IDLE = object()
+
+
+class EngineDriver:
+    def __init__(self, engine: Engine, queue_limit: int, lock: threading.Lock):
+        if queue_limit < 1:
+            raise ValueError(f"npu_queue_limit must be >= 1, got {queue_limit}")
+        self.engine = engine
+        self.lock = lock  # guards the engine: held by the worker during a step and by add/abort
+        self.results: queue.Queue = queue.Queue(maxsize=queue_limit)
+        self._state = threading.Lock()
+        self._running = False
+        self.steps_in_flight_max = 0
+
+    def kick(self) -> None:
+        """Make sure the worker runs (call after adding requests, outside the engine lock)."""
+        with self._state:
+            if not self._running:
+                self._running = True
+                threading.Thread(target=self._run, name="fxcompiler-engine", daemon=True).start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self.lock:
+                    if not self.engine.has_unfinished_requests():
+                        # Decided under the engine lock: a request added after this point
+                        # finds _running False and starts a new worker.
+                        with self._state:
+                            self._running = False
+                        break
+                    try:
+                        outs: list[RequestOutput] | BaseException = self.engine.step()
+                    except BaseException as exc:  # handed to the consumer, which re-raises it
+                        outs = exc
+                self.results.put(outs)  # blocks while npu_queue_limit steps wait to be consumed
+                self.steps_in_flight_max = max(self.steps_in_flight_max, self.results.qsize())
+                if isinstance(outs, BaseException):
+                    return
+            self.results.put(_IDLE)
+        finally:
+            with self._state:
+                self._running = False
+
+    def next_outputs(self, timeout: float | None = None) -> list[RequestOutput] | None:
+        """The next step's outputs; None when the engine went idle (nothing unfinished)."""
+        item = self.results.get(timeout=timeout)
+        if item is _IDLE:
+            return None
+        if isinstance(item, BaseException):
+            raise item
+        return item
