@@ -43,7 +43,7 @@ class CompileContext:
         for spec in self.input_specs:
             if spec.name == node.name:
                 return spec
-        return None  # a linear scan: graphs have a few hundred inputs and passes call this per node
+        return None
 
     def param_of(self, node: torch.fx.Node) -> torch.Tensor | None:
         """The parameter value behind a placeholder node, or None for user inputs/other nodes."""
