@@ -22,6 +22,7 @@ from . import _build
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp")
+_HEADERS = (_CSRC / "simd_math.h",)
 MAX_KERNEL_QUERY_TOKENS = 4  # beyond this, SDPA's blocked kernel wins
 _lock = threading.Lock()
 _state: dict = {"module": None, "tried": False, "error": None}
@@ -35,7 +36,7 @@ def _load():
     if isa == "aten":
         raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"] + _build._FLAGS[isa]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + " ".join(flags).encode()
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(flags).encode()
                             + torch.__version__.encode()).hexdigest()
     name = f"fxc_paged_attention_{isa}_{digest[:12]}"
     build_dir = _build.cache_dir() / name

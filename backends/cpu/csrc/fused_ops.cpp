@@ -7,10 +7,11 @@
 #include <immintrin.h>
 #endif
 
+#include "simd_math.h"
+
 namespace {
 
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
+using fxc::Acc;
 
 template <typename scalar_t>
 void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, int64_t H, double eps) {
@@ -30,25 +31,6 @@ void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, i
   });
 }
 
-#ifdef __AVX512F__
-inline __m512 exp512(__m512 v) {
-  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
-  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
-                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), v);
-  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), v);
-  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507E-3f));
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073E-3f));
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894E-2f));
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459E-1f));
-  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201E-1f));
-  y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, _mm512_set1_ps(1.0f)));
-  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-#endif
-
 void silu_mul_f32(const float* g, const float* u, float* y, int64_t n) {
   at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
     int64_t i = begin;
@@ -56,7 +38,7 @@ void silu_mul_f32(const float* g, const float* u, float* y, int64_t n) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (; i + 16 <= end; i += 16) {
       __m512 a = _mm512_loadu_ps(g + i);
-      __m512 s = _mm512_div_ps(a, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+      __m512 s = _mm512_div_ps(a, _mm512_add_ps(one, fxc::exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
       _mm512_storeu_ps(y + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
     }
 #endif

@@ -8,6 +8,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include "simd_math.h"
 #include <cstring>
 #include <type_traits>
 #ifdef __AVX512F__
@@ -19,8 +20,8 @@
 
 namespace {
 
-template <typename T> struct Acc { using type = float; };
-template <> struct Acc<double> { using type = double; };
+using fxc::Acc;
+using fxc::exp_row;
 
 template <typename scalar_t>
 void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
@@ -55,38 +56,6 @@ void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Te
       }
     }
   });
-}
-
-// exp(x) for x <= 0 over a row, vectorised (Cephes-style polynomial, ~2 ulp) where AVX-512 is on.
-inline void exp_row(float* x, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512 hi = _mm512_set1_ps(88.3762626647949f), lo = _mm512_set1_ps(-88.3762626647949f);
-  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), half = _mm512_set1_ps(0.5f);
-  const __m512 c1 = _mm512_set1_ps(0.693359375f), c2 = _mm512_set1_ps(-2.12194440e-4f);
-  const __m512 one = _mm512_set1_ps(1.0f);
-  for (; i + 16 <= n; i += 16) {
-    __m512 v = _mm512_loadu_ps(x + i);
-    v = _mm512_max_ps(_mm512_min_ps(v, hi), lo);
-    __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(v, log2e, half), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    v = _mm512_fnmadd_ps(fx, c1, v);
-    v = _mm512_fnmadd_ps(fx, c2, v);
-    __m512 y = _mm512_set1_ps(1.9875691500E-4f);
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507E-3f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073E-3f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894E-2f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459E-1f));
-    y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201E-1f));
-    y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, one));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
-    _mm512_storeu_ps(x + i, _mm512_mul_ps(y, _mm512_castsi512_ps(e)));
-  }
-#endif
-  for (; i < n; ++i) x[i] = std::exp(x[i]);
-}
-
-inline void exp_row(double* x, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
 }
 
 #ifdef __AVX512F__

@@ -1,0 +1,48 @@
+// Shared helpers of fxcompiler's CPU kernels: the accumulation type per dtype and a
+// vectorised exp (Cephes-style polynomial, ~2 ulp on [-88, 88]).
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+namespace fxc {
+
+template <typename T> struct Acc { using type = float; };
+template <> struct Acc<double> { using type = double; };
+
+#ifdef __AVX512F__
+inline __m512 exp512(__m512 v) {
+  v = _mm512_max_ps(_mm512_min_ps(v, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  __m512 fx = _mm512_roundscale_ps(_mm512_fmadd_ps(v, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                   _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), v);
+  v = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), v);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, v, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(v, v), _mm512_add_ps(v, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#endif
+
+// x[i] = exp(x[i]) over a row.
+inline void exp_row(float* x, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(x + i, exp512(_mm512_loadu_ps(x + i)));
+#endif
+  for (; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+inline void exp_row(double* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = std::exp(x[i]);
+}
+
+}  // namespace fxc
