@@ -81,3 +81,21 @@ def test_hf_overrides_change_the_model(tiny_models):
               cache_dir=None)
     assert llm.model_config.num_hidden_layers == 1
     assert sum(1 for n in llm._build.graph_module.graph.nodes if "paged_attention" in str(n.target)) == 1
+
+
+def test_furiosa_bucket_policies_keep_parity(tiny_models):
+    """MinimalBucketConfig (batch 1, prompts padded to the largest prompt) and ManualBucketConfig."""
+    from fxcompiler.config import ManualBucketConfig, MinimalBucketConfig
+
+    path = str(tiny_models["mistral"])
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+    sp = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = PROMPTS[:4]
+    for cfg in (MinimalBucketConfig(max_seq_len=128), ManualBucketConfig([(2, 48), (1, 64)], [(1, 128), (4, 128)])):
+        llm = LLM(path, dtype="float64", max_seq_len_to_capture=128, cache_dir=None, bucket_config=cfg)
+        outs = llm.generate(None, sp, prompt_token_ids=prompts)
+        for prompt, out in zip(prompts, outs):
+            assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 20)
+        used = {p.bucket for p in llm.pipelines}
+        assert used == set(llm.buckets)
+    assert max(b.batch_size for b in llm.buckets if b.is_decode) == 4
