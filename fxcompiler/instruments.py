@@ -13,7 +13,6 @@ import os
 from collections import Counter
 from pathlib import Path
 
-import torch
 from torch.fx import GraphModule
 
 from .pass_manager import CompileContext, Pass, PassInstrument, PassResult

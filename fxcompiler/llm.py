@@ -33,7 +33,6 @@ def default_cache_dir() -> Path:
 
 
 CACHE_DIR = default_cache_dir()
-_UNSET: Any = object()
 
 
 def _later(capability: str, issue: str) -> NotImplementedError:

@@ -20,7 +20,7 @@ import operator
 import torch
 from torch.fx import GraphModule, Node
 
-from fxcompiler.ops import fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul)
+import fxcompiler.ops.fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul / fxc::rope)
 from fxcompiler.pass_manager import CompileContext, PassResult, register_pass
 
 aten = torch.ops.aten
@@ -32,6 +32,15 @@ def _is(node, target) -> bool:
 
 def _val(node):
     return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _replace_with_call(graph, old: Node, target, args: tuple) -> Node:
+    """Insert ``target(*args)`` before ``old``, give it ``old``'s value metadata, reroute ``old``'s users."""
+    with graph.inserting_before(old):
+        new = graph.call_function(target, args)
+    new.meta["val"] = _val(old)
+    old.replace_all_uses_with(new)
+    return new
 
 
 @register_pass("fuse_rms_norm")
@@ -64,10 +73,7 @@ class FuseRmsNormPass:
             if wv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or wv.dtype != xv.dtype \
                     or any(len(n.users) != 1 for n in (pow_, mean, add)):
                 continue
-            with graph.inserting_before(scale):
-                out = graph.call_function(torch.ops.fxc.rms_norm.default, (x, w, float(add.args[1])))
-            out.meta["val"] = _val(scale)
-            scale.replace_all_uses_with(out)
+            _replace_with_call(graph, scale, torch.ops.fxc.rms_norm.default, (x, w, float(add.args[1])))
             for n in (scale, norm, rsqrt, add, mean, pow_):
                 graph.erase_node(n)
             fused += 1
@@ -89,10 +95,7 @@ class FuseSiluMulPass:
             if not isinstance(up, Node) or sv is None or uv is None or tuple(sv.shape) != tuple(uv.shape) \
                     or sv.dtype != uv.dtype:
                 continue
-            with graph.inserting_before(mul):
-                out = graph.call_function(torch.ops.fxc.silu_mul.default, (silu.args[0], up))
-            out.meta["val"] = _val(mul)
-            mul.replace_all_uses_with(out)
+            _replace_with_call(graph, mul, torch.ops.fxc.silu_mul.default, (silu.args[0], up))
             graph.erase_node(mul)
             graph.erase_node(silu)
             fused += 1
@@ -149,10 +152,7 @@ class FuseRopePass:
             xv, cv, sv = _val(x), _val(cos), _val(sin)
             if any(not isinstance(v, torch.Tensor) for v in (xv, cv, sv)) or not (xv.dtype == cv.dtype == sv.dtype):
                 continue
-            with graph.inserting_before(add):
-                out = graph.call_function(torch.ops.fxc.rope.default, (x, cos, sin))
-            out.meta["val"] = _val(add)
-            add.replace_all_uses_with(out)
+            _replace_with_call(graph, add, torch.ops.fxc.rope.default, (x, cos, sin))
             graph.erase_node(add)
             fused += 1
         return PassResult(gm, fused > 0, {"fused": fused})
@@ -168,6 +168,7 @@ class FuseProjectionsPass:
                 w = ctx.param_of(node.args[1])
                 if w is not None and w.dim() == 2:
                     groups.setdefault(node.args[0], []).append(node)
+        order = {n: i for i, n in enumerate(graph.nodes)}
         fused = 0
         for x, mms in groups.items():
             if len(mms) < 2:
@@ -179,7 +180,7 @@ class FuseProjectionsPass:
             sizes = [int(w.shape[1]) for w in weights]
             cat = torch.cat(weights, dim=1)
             del weights
-            first = min(mms, key=lambda n: list(graph.nodes).index(n))
+            first = min(mms, key=order.__getitem__)
             param = ctx.add_param_input(gm, "+".join(names), cat)
             with graph.inserting_before(first):
                 mm = graph.call_function(aten.matmul.default, (x, param))

@@ -25,13 +25,11 @@ class ModelRunner:
         self.blocks = blocks
         self.device = device
         self.block_size = blocks.block_size
-        self.num_steps = 0
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         """Run one step; returns logits ``[len(batch.seqs), vocab]`` (rows beyond are never computed)."""
         inputs = self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch)
         exe = self.executables[batch.bucket]
-        self.num_steps += 1
         with torch.inference_mode():
             return exe(*inputs)
 
