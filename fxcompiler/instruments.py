@@ -13,9 +13,10 @@ import os
 from collections import Counter
 from pathlib import Path
 
+import torch
 from torch.fx import GraphModule
 
-from .pass_manager import CompileContext, Pass, PassInstrument, PassResult
+from .pass_manager import CompileContext, Pass, PassError, PassInstrument, PassResult
 
 
 def op_histogram(gm: GraphModule) -> Counter:
@@ -76,13 +77,70 @@ class DumpInstrument(PassInstrument):
         return self.dir / f"{self.prefix}{self.index:02d}-{p.name}"
 
 
-def instruments_from_options(options: dict) -> list[PassInstrument]:
-    """The instruments a build asks for: always graph lint; dumps when a dump dir is set."""
-    from .pass_manager import VerifyInstrument
+NUMERIC_TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.bfloat16: 6e-2, torch.float16: 1e-2}
 
-    out: list[PassInstrument] = []
-    if os.environ.get("FXCOMPILER_VERIFY_PASSES", "1") != "0":
-        out.append(VerifyInstrument())
+
+class NumericCheckInstrument(PassInstrument):
+    """Runs the graph before and after each pass on the same random inputs (one small
+    mixed prefill/decode-like shape: ``batch`` sequences of ``tokens`` new tokens after
+    ``context`` cached ones) and raises :class:`PassError` naming the pass when the
+    logits or the written KV caches differ by more than ``tolerance`` relative to the
+    largest reference value. The tolerance defaults to the lowest-precision float dtype
+    among the parameters after the pass (fp64 1e-9, fp32 1e-4, bf16 6e-2).
+
+    Switched on by ``compiler_config_overrides={"numeric_check": True}`` (or a dict of
+    this class's keyword arguments) or ``FXCOMPILER_NUMERIC_CHECK=1``."""
+
+    def __init__(self, batch: int = 2, tokens: int = 5, context: int = 11, block_size: int = 4, seed: int = 0,
+                 tolerance: float | None = None):
+        from .testing import TestBucket
+
+        self.bucket = TestBucket(batch, tokens, context, block_size)
+        self.seed = seed
+        self.tolerance = tolerance
+        self.report: list[dict] = []
+        self._expected = None
+
+    def _run(self, gm: GraphModule, ctx: CompileContext):
+        from .testing import inputs_for_geometry, run_program
+
+        return run_program(gm, ctx, inputs_for_geometry(ctx.geometry, self.bucket, self.seed))
+
+    def run_before_pass(self, p: Pass, gm: GraphModule, ctx: CompileContext) -> None:
+        self._expected = self._run(gm, ctx)
+
+    def run_after_pass(self, p: Pass, result: PassResult, ctx: CompileContext, seconds: float) -> None:
+        if not result.modified:
+            return
+        logits, caches = self._run(result.graph_module, ctx)
+        exp_logits, exp_caches = self._expected
+        floats = [t.dtype for t in ctx.params.values() if t.is_floating_point()] + [ctx.geometry.dtype]
+        tol = self.tolerance or max(NUMERIC_TOLERANCE.get(d, 1e-2) for d in floats)
+        worst = 0.0
+        for name, got, exp in [("logits", logits, exp_logits)] + [(k, caches[k], exp_caches[k]) for k in exp_caches]:
+            if got.shape != exp.shape:
+                raise PassError(f"numeric check: pass {p.name!r} changed the shape of {name} "
+                                f"from {list(exp.shape)} to {list(got.shape)}")
+            scale = exp.double().abs().max().item() + 1e-6
+            err = (got.double() - exp.double()).abs().max().item() / scale
+            worst = max(worst, err)
+            if not err <= tol:
+                raise PassError(f"numeric check: pass {p.name!r} changed {name} by {err:.3g} (max abs difference "
+                                f"relative to max |reference|; tolerance {tol:g}) on bucket {self.bucket}")
+        self.report.append({"pass": p.name, "max_relative_error": worst, "tolerance": tol})
+
+
+def instruments_from_options(options: dict) -> list[PassInstrument]:
+    """The instruments a build asks for: graph verification (``FXCOMPILER_VERIFY_PASSES``),
+    dumps when a dump dir is set, numeric checks when asked for."""
+    from .pass_manager import verify_instruments_from_env
+
+    out: list[PassInstrument] = verify_instruments_from_env()
+    check = options.get("numeric_check")
+    if check is None and os.environ.get("FXCOMPILER_NUMERIC_CHECK", "0") not in ("", "0"):
+        check = True
+    if check:
+        out.append(NumericCheckInstrument(**(check if isinstance(check, dict) else {})))
     dump = options.get("dump_dir") or os.environ.get("FXCOMPILER_DUMP_DIR")
     if dump:
         out.append(DumpInstrument(dump))

@@ -110,7 +110,11 @@ def copy_program(program: CapturedProgram) -> CapturedProgram:
 
 def example_inputs(program: CapturedProgram, bucket: TestBucket, seed: int = 0) -> dict[str, torch.Tensor]:
     """Valid user inputs for ``bucket``: a random cache context, block tables, slots, positions."""
-    g = program.geometry
+    return inputs_for_geometry(program.geometry, bucket, seed)
+
+
+def inputs_for_geometry(g, bucket: TestBucket, seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`example_inputs` from a :class:`~fxcompiler.capture.ModelGeometry` alone."""
     gen = torch.Generator().manual_seed(seed)
     B, T, ctx, bs = bucket.batch, bucket.tokens, bucket.context, bucket.block_size
     total = ctx + T
@@ -135,7 +139,7 @@ def example_inputs(program: CapturedProgram, bucket: TestBucket, seed: int = 0) 
 
 def run_program(gm: torch.fx.GraphModule, ctx: CompileContext, inputs: dict[str, torch.Tensor]):
     """Run a graph with its parameters; returns (logits, caches after the step). Inputs are not mutated."""
-    fresh = {k: v.clone() for k, v in inputs.items()}
+    fresh = {k: v.to(ctx.geometry.dtype) if "_cache_" in k else v.clone() for k, v in inputs.items()}
     args = [ctx.params[s.target] if s.kind == "param" else fresh[s.target] for s in ctx.input_specs]
     with torch.no_grad():
         out = gm(*args)

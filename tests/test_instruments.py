@@ -44,3 +44,27 @@ def test_compile_command(tiny_models, tmp_path, capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "unique graph blobs: 1" in out and "weight_layout" in out
     assert len(list(tmp_path.glob("*.after.py"))) == len(DEFAULT_PASSES)
+
+
+def test_numeric_check_passes_for_the_default_pipeline(tiny_models):
+    llm = LLM(str(tiny_models["mistral"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True,
+              compiler_config_overrides={"numeric_check": {"batch": 3, "tokens": 4, "context": 9}})
+    assert [h["pass"] for h in llm.pass_history] == list(DEFAULT_PASSES)
+
+
+def test_numeric_check_names_a_pass_that_changes_results(tiny_models):
+    import torch
+
+    from fxcompiler.pass_manager import PassError, PassResult
+
+    def scale_logits(gm, ctx):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        with gm.graph.inserting_before(out):
+            scaled = gm.graph.call_function(torch.ops.aten.mul.Tensor, (out.args[0][0], 1.001))
+        out.args = ((scaled,),)
+        return PassResult(gm, True)
+
+    with pytest.raises(PassError, match="numeric check: pass 'scale_logits' changed logits"):
+        LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True,
+            compiler_config_overrides={"numeric_check": True,
+                                       "passes": {"insert": [(scale_logits, {"after": "fuse_rope"})]}})

@@ -74,3 +74,59 @@ def test_fusion_passes_preserve_outputs(tiny_models):
     ta = [o.outputs[0].token_ids for o in a.generate(None, sp, prompt_token_ids=prompts)]
     tb = [o.outputs[0].token_ids for o in b.generate(None, sp, prompt_token_ids=prompts)]
     assert ta == tb
+
+
+def _tiny_program():
+    from fxcompiler import testing
+
+    cfg = testing.TinyConfig("llama", layers=2, hidden=32, heads=4, kv_heads=2, vocab=64, intermediate=48)
+    program = testing.capture_tiny_model(cfg)
+    return program, testing.context_of(program)
+
+
+def _wrong_weight(gm, ctx):
+    """Feeds the first linear a parameter of the wrong shape (its transpose's transpose of a
+    different layer's down projection): a shape error two nodes later."""
+    lin = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default)
+    down = next(n for n in gm.graph.nodes if n.op == "placeholder" and "down_proj" in n.name)
+    lin.args = (lin.args[0], down) + tuple(lin.args[2:])
+    return PassResult(gm, True)
+
+
+@pytest.mark.parametrize("mode", ["each", "end"])
+def test_shape_propagation_names_pass_and_node(mode):
+    from fxcompiler.pass_manager import PassManager, VerifyInstrument
+
+    program, ctx = _tiny_program()
+    manager = PassManager([get_pass("strip_asserts"), _wrong_weight, get_pass("dce")], [VerifyInstrument(mode)])
+    with pytest.raises(PassError, match=r"_wrong_weight.*node 'linear"):
+        manager(program.graph_module, ctx)
+
+
+def test_changed_output_dtype_is_reported():
+    from fxcompiler.pass_manager import PassManager, VerifyInstrument
+
+    def to_float32(gm, ctx):
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        logits = out.args[0][0]
+        with gm.graph.inserting_before(out):
+            cast = gm.graph.call_function(torch.ops.aten._to_copy.default, (logits,), {"dtype": torch.float32})
+        out.args = ((cast,),)
+        return PassResult(gm, True)
+
+    program, ctx = _tiny_program()
+    with pytest.raises(PassError, match="to_float32.*changed the graph outputs"):
+        PassManager([to_float32], [VerifyInstrument("each")])(program.graph_module, ctx)
+
+
+def test_verify_env_variable(monkeypatch):
+    from fxcompiler.pass_manager import VerifyInstrument, verify_instruments_from_env
+
+    monkeypatch.setenv("FXCOMPILER_VERIFY_PASSES", "0")
+    assert verify_instruments_from_env() == []
+    monkeypatch.setenv("FXCOMPILER_VERIFY_PASSES", "each")
+    (v,) = verify_instruments_from_env()
+    assert isinstance(v, VerifyInstrument) and v.shape_prop == "each"
+    monkeypatch.setenv("FXCOMPILER_VERIFY_PASSES", "sometimes")
+    with pytest.raises(ValueError, match="FXCOMPILER_VERIFY_PASSES"):
+        verify_instruments_from_env()
