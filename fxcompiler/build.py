@@ -88,6 +88,7 @@ def build(captured: CapturedProgram, model_name: str, buckets: list[Bucket], *, 
     t0 = time.perf_counter()
     result = build_pipelines(captured, buckets, model_name, kind=kind, device=str(device), block_size=block_size,
                              options=options)
+    captured.geometry = result.context.geometry  # passes may change it (auto_bfloat16_cast: a bf16 KV cache)
     if param_file_path is not None:
         info = save_params(result.params, param_file_path, param_saved_format)
         for p in result.pipelines:

@@ -219,8 +219,6 @@ class LLM:
 
         # -- model, tokenizer ------------------------------------------------------------------------
         source = resolve_model_source(model)
-        if auto_bfloat16_cast:
-            dtype = torch.bfloat16
         loaded = load_model(source, cache_dir=self.cache_dir, hf_overrides=hf_overrides,
                             use_random_weight=use_random_weight, dtype=dtype, seed=seed,
                             trust_remote_code=trust_remote_code)
@@ -263,6 +261,8 @@ class LLM:
         from .capture import capture
 
         options = dict(compiler_config_overrides or {})
+        if auto_bfloat16_cast:  # captured in the checkpoint's dtype; the auto_bfloat16_cast pass makes it bf16
+            options["auto_bfloat16_cast"] = True
         self._captured = capture(loaded.model.to(self._device), block_size=paged_attention_block_size)
         loaded.model = None  # the captured program owns the weights now; passes free what they replace
         gc.collect()  # transformers modules hold reference cycles; free the model before the passes run

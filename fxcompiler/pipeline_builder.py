@@ -114,6 +114,9 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
         for s in ctx.input_specs if s.kind == "param"
     }
     user_names = [s.name for s in ctx.input_specs if s.kind == "user"]
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
+    out_val = getattr(out[0] if isinstance(out, (tuple, list)) else out, "meta", {}).get("val")
+    logits_dtype = out_val.dtype if isinstance(out_val, torch.Tensor) else ctx.geometry.dtype  # bf16 graphs: fp32
     pipelines = []
     for bucket in buckets:
         tensors: dict[str, TensorInfo | ParamInfo] = dict(params)
@@ -121,7 +124,7 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
         for spec in ctx.input_specs:
             if spec.kind == "user":
                 tensors[spec.name] = infos[spec.target]
-        tensors["logits"] = TensorInfo([bucket.batch_size, ctx.geometry.vocab_size], dtype_name(ctx.geometry.dtype))
+        tensors["logits"] = TensorInfo([bucket.batch_size, ctx.geometry.vocab_size], dtype_name(logits_dtype))
         supertasks = {
             "0": SuperTask(SuperTaskKind.INPUT, [], user_names),
             "1": SuperTask(SuperTaskKind.FX, [s.name for s in ctx.input_specs], ["logits"], device="0",

@@ -2,3 +2,4 @@
 from . import cleanup, fusion, weight_layout  # noqa: F401
 
 __all__ = ["cleanup", "fusion", "weight_layout"]
+from . import auto_bfloat16_cast  # noqa: E402,F401

@@ -16,6 +16,10 @@ _lib.define("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor")
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype in (torch.bfloat16, torch.float16):
+        # transformers' RMSNorm in a bf16/fp16 model: the variance in fp32, the normalised value cast back
+        xf = x.float()
+        return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
     return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
 
