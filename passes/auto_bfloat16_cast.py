@@ -324,6 +324,11 @@ class AutoBfloat16CastPass:
                 info["downcasts"] -= 1
                 info["factories_rewritten"] += 1
 
+        # 5. Wide views that only fed a down-cast (per-layer ``unsqueeze(cos)``) are dead now.
+        for a in reversed(list(down)):
+            if a.op == "call_function" and a.target in _VIEWS and not a.users:
+                graph.erase_node(a)
+
         ctx.geometry = dataclasses.replace(ctx.geometry, dtype=LOW)
         return PassResult(gm, True, info)
 
