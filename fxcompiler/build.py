@@ -77,6 +77,17 @@ def _shares_storage(t: torch.Tensor, params: dict[str, torch.Tensor], name: str)
     return any(k != name and v.untyped_storage().data_ptr() == ptr for k, v in params.items())
 
 
+def pass_services(device: torch.device) -> dict[str, Any]:
+    """Backend objects the passes read from ``ctx.options`` (passes may not import backends):
+    on CPU, the ``kernel_tuner`` that ``lower_cpu_kernels`` asks whether ``fxc::linear`` wins
+    (nothing is built or measured unless that pass runs)."""
+    if device.type != "cpu":
+        return {}
+    from backends.cpu.autotune import LinearAutotuner
+
+    return {"kernel_tuner": LinearAutotuner()}
+
+
 def build(captured: CapturedProgram, model_name: str, buckets: list[Bucket], *, block_size: int,
           device: torch.device, kind: str, options: dict[str, Any], param_file_path=None,
           param_saved_format="safetensors") -> BuildResult:
@@ -87,7 +98,7 @@ def build(captured: CapturedProgram, model_name: str, buckets: list[Bucket], *, 
     """
     t0 = time.perf_counter()
     result = build_pipelines(captured, buckets, model_name, kind=kind, device=str(device), block_size=block_size,
-                             options=options)
+                             options=options, services=pass_services(device))
     captured.geometry = result.context.geometry  # passes may change it (auto_bfloat16_cast: a bf16 KV cache)
     if param_file_path is not None:
         info = save_params(result.params, param_file_path, param_saved_format)

@@ -37,9 +37,13 @@ class BuildResult:
 
 
 def optimise(captured: CapturedProgram, options: dict[str, Any] | None = None,
-             instruments=None) -> tuple[torch.fx.GraphModule, CompileContext]:
-    """Run the configured pass list over the captured graph (the context takes over its parameters)."""
-    ctx = CompileContext(list(captured.input_specs), captured.params, captured.geometry, dict(options or {}))
+             instruments=None, services: dict[str, Any] | None = None) -> tuple[torch.fx.GraphModule, CompileContext]:
+    """Run the configured pass list over the captured graph (the context takes over its parameters).
+
+    ``services``: objects the passes may use but cannot import (layering), e.g. the CPU backend's
+    ``kernel_tuner`` for ``lower_cpu_kernels``; they join ``ctx.options`` (not user overrides)."""
+    ctx = CompileContext(list(captured.input_specs), captured.params, captured.geometry,
+                         {**(options or {}), **(services or {})})
     captured.params = {}
     loaded = {t.untyped_storage().data_ptr() for t in ctx.params.values()}
     if instruments is None:
@@ -100,12 +104,13 @@ def _user_tensor_infos(ctx: CompileContext, bucket: Bucket, block_size: int) -> 
 
 def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name: str, *, kind: str = "fx",
                     device: str = "cpu", block_size: int = 16, options: dict[str, Any] | None = None,
-                    instruments=None, param_file: ParamFileInfo | None = None) -> BuildResult:
+                    instruments=None, param_file: ParamFileInfo | None = None,
+                    services: dict[str, Any] | None = None) -> BuildResult:
     if kind != "fx":
         raise NotImplementedError(f"comp_supertask_kind={kind!r}: only 'fx' supertasks are built so far "
                                   "('dfg' and 'edf' belong to the blockwise-compilation work)")
     t0 = time.perf_counter()
-    gm, ctx = optimise(captured, options, instruments)
+    gm, ctx = optimise(captured, options, instruments, services)
     blob = DataBlob(DataBlob.content_id("fx", gm.code), "fx", gm)
     param_file = param_file or ParamFileInfo("", "memory")
     params = {

@@ -2,4 +2,5 @@
 from . import cleanup, fusion, weight_layout  # noqa: F401
 
 __all__ = ["cleanup", "fusion", "weight_layout"]
+from . import lower_cpu_kernels  # noqa: E402,F401
 from . import auto_bfloat16_cast  # noqa: E402,F401

@@ -5,8 +5,11 @@
 * ``fxc::linear_w8(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size) -> Tensor``:
   int8 weight-only, per-channel (group_size -1 or K) or per-group scales, from :func:`quantize_linear_weight_int8`.
 
-C++ kernels (AVX-512 / AVX2, AMX tiles for bf16/int8 at M >= 8) are built on first use; without a compiler the ops
-fall back to ATen with one warning.  Details, layouts and the measurements behind the design: ``README.md``.
+The schemas, fake kernels, ATen references and packing functions are IR-level (``fxcompiler/ops/linear.py``, so a
+lowering pass can prepack without importing a backend) and re-exported here; this package holds the C++ kernels
+(AVX-512 / AVX2, AMX tiles for bf16/int8 at M >= 8), built on first use (without a compiler the ops fall back to
+ATen with one warning), and the build-time autotuner (``autotune.LinearAutotuner``) that ``passes/lower_cpu_kernels``
+asks whether the kernel wins per shape.  Details, layouts and the measurements behind the design: ``README.md``.
 
 Measured at M = 1, 2 threads, weights streamed from DRAM (512 MiB pool per candidate), median GB/s of weight bytes on
 the dev VM (Intel Xeon + AMX, DRAM read ceiling 28.5 GB/s; noisy shared host, best calls in the README):

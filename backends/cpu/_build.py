@@ -58,10 +58,14 @@ def detect_isa() -> str:
     return "aten"
 
 
-def cache_dir() -> Path:
+def cache_root() -> Path:
+    """``$FXCOMPILER_CACHE_DIR``, default ``~/.cache/fxcompiler`` (kernel builds, autotuning results)."""
     base = os.environ.get("FXCOMPILER_CACHE_DIR")
-    root = Path(base) if base else Path.home() / ".cache" / "fxcompiler"
-    return root / "kernels"
+    return Path(base) if base else Path.home() / ".cache" / "fxcompiler"
+
+
+def cache_dir() -> Path:
+    return cache_root() / "kernels"
 
 
 def _compiler() -> str:

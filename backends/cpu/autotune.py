@@ -1,0 +1,194 @@
+"""Build-time autotuner for ``fxc::linear``: is the prepacked kernel faster than the ATen op it
+would replace, for this weight shape, dtype and machine?
+
+:class:`LinearAutotuner` implements :class:`fxcompiler.ops.linear.LinearKernelTuner`: the façade
+(``fxcompiler/build.py``) puts one in ``ctx.options['kernel_tuner']`` for CPU builds and
+``passes/lower_cpu_kernels`` asks it for timings, then decides (the decision rule is the pass's).
+
+Measurement: a random ``[N, K]`` weight of the given dtype, activations of the same dtype,
+``M`` rows for each M asked; candidates ``fxc::linear`` on the packed weight and the baseline
+(``matmul``: ``x @ W[K, N]`` contiguous, what ``weight_layout`` emits; ``linear``: ``F.linear``).
+Each candidate cycles through copies of its weight (``pool_bytes`` in all, default 64 MiB) so
+that small weights are not timed from L2 alone; calls of the two candidates alternate and the
+25th percentile of each counts (on a shared host a call can lose a scheduler slice). When over
+``max_stalled`` of the calls stall even on a second try, the timings serve this build but are
+not cached.
+
+Cache: ``$FXCOMPILER_CACHE_DIR/autotune/linear-<kernel build name>[-amx].json`` (default
+``~/.cache/fxcompiler``, as for the kernel builds); the build name already encodes the ISA, a
+hash of the kernel sources and flags, and the torch version. Entries are keyed by K, N, weight
+dtype, baseline, the Ms and the thread count. A corrupt file is ignored (re-measured).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fxcompiler.ops.linear import LinearTimings, pack_linear_weight
+
+from . import _build
+
+log = logging.getLogger("fxcompiler.autotune")
+
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+# Below this weight streaming rate (both candidates) a timing is a scheduler stall, not a kernel:
+# even ATen's slowest candidate streams > 3 GB/s here (README), a stalled call ~0.1 GB/s.
+MIN_PLAUSIBLE_BYTES_PER_S = 1e9
+
+
+class LinearAutotuner:
+    """Times ``fxc::linear`` against the ATen op per (K, N, dtype); results cached as JSON."""
+
+    def __init__(self, pool_bytes: int = 64 << 20, seconds_per_shape: float = 0.25, max_stalled: float = 0.5):
+        self.pool_bytes = pool_bytes
+        self.seconds_per_shape = seconds_per_shape
+        self.max_stalled = max_stalled
+        self._entries: dict[str, dict] | None = None
+        self._lock = threading.Lock()
+        self.measured = 0  # measurements taken (not read from the cache) by this tuner
+
+    # -- LinearKernelTuner -------------------------------------------------------------------------
+    def isa(self) -> str:
+        """'avx512+amx' | 'avx512' | 'avx2', or 'aten' when the kernels cannot run here (builds on first call)."""
+        if not _build.ensure_loaded():
+            return "aten"
+        st = _build.state()
+        return st["isa"] + ("+amx" if st["amx"] else "")
+
+    def measure(self, k: int, n: int, weight_dtype: torch.dtype, baseline: str = "matmul",
+                ms: Sequence[int] = (1, 64)) -> LinearTimings:
+        if weight_dtype not in _DTYPES:
+            raise ValueError(f"fxc::linear has no kernel for {weight_dtype} weights")
+        if baseline not in ("matmul", "linear"):
+            raise ValueError(f"baseline must be 'matmul' or 'linear', got {baseline!r}")
+        ms = tuple(int(m) for m in ms)
+        _build.ensure_loaded()  # the cache file is named after the loaded kernel build
+        key = f"K{k}_N{n}_{_DTYPES[weight_dtype]}_{baseline}_M{'-'.join(map(str, ms))}_t{torch.get_num_threads()}"
+        with self._lock:
+            entries = self._load()
+            hit = entries.get(key)
+            if hit is not None:
+                try:
+                    return LinearTimings({int(m): float(t) for m, t in hit["fxc"].items()},
+                                         {int(m): float(t) for m, t in hit["aten"].items()}, cached=True,
+                                         info={"key": key})
+                except (KeyError, TypeError, ValueError, AttributeError):
+                    pass  # malformed entry: measure again
+            fxc, aten, stalled = self._measure(k, n, weight_dtype, baseline, ms)
+            self.measured += 1
+            info = {"key": key, "stalled": round(stalled, 3)}
+            if stalled > self.max_stalled:
+                # Most calls lost scheduler slices even on the retry: use it for this build, do not keep it.
+                log.warning("autotune fxc::linear %s: %.0f%% of the calls stalled (busy host); timings not cached",
+                            key, 100 * stalled)
+                info["unreliable"] = True
+            else:
+                entries[key] = {"fxc": {str(m): t for m, t in fxc.items()}, "aten": {str(m): t for m, t in aten.items()},
+                                "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                self._store(key, entries[key])
+        return LinearTimings(fxc, aten, cached=False, info=info)
+
+    # -- cache --------------------------------------------------------------------------------------
+    def cache_file(self) -> Path:
+        st = _build.state()
+        name = Path(st["path"]).stem if st.get("path") else f"unbuilt_{_build.detect_isa()}"
+        return _build.cache_root() / "autotune" / f"linear-{name}{'-amx' if st.get('amx') else ''}.json"
+
+    def _load(self) -> dict[str, dict]:
+        if self._entries is None:
+            self._entries = _read_json(self.cache_file())
+        return self._entries
+
+    def _store(self, key: str, entry: dict) -> None:
+        path = self.cache_file()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            merged = _read_json(path)  # another process may have added entries meanwhile
+            merged[key] = entry
+            tmp = path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError as exc:  # read-only cache: keep the result for this process only
+            log.warning("autotune cache %s not written: %s", path, exc)
+
+    # -- measurement ------------------------------------------------------------------------------
+    def _measure(self, k: int, n: int, dtype: torch.dtype, baseline: str, ms: tuple[int, ...]):
+        gen = torch.Generator().manual_seed(k * 131071 + n)
+        w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
+        copies = max(1, min(16, self.pool_bytes // max(1, w.numel() * w.element_size())))
+        packed = [pack_linear_weight(w) for _ in range(copies)]
+        dense = [w.t().contiguous() if baseline == "matmul" else w.clone() for _ in range(copies)]
+        w_bytes = w.numel() * w.element_size()
+        del w
+        fxc_t, aten_t, worst = {}, {}, 0.0
+        with torch.inference_mode():
+            for m in ms:
+                x = torch.randn(m, k, generator=gen).to(dtype)
+                if baseline == "matmul":
+                    def ref(i, x=x):
+                        return torch.matmul(x, dense[i % copies])
+                else:
+                    def ref(i, x=x):
+                        return F.linear(x, dense[i % copies])
+
+                def fxc(i, x=x):
+                    return torch.ops.fxc.linear.default(x, packed[i % copies], None, n)
+
+                for _attempt in range(2):
+                    (fxc_t[m], aten_t[m]), stalled = _bench([fxc, ref], self.seconds_per_shape / len(ms))
+                    if stalled <= self.max_stalled:
+                        break
+                if w_bytes / min(fxc_t[m], aten_t[m]) < MIN_PLAUSIBLE_BYTES_PER_S:
+                    stalled = 1.0  # every call stalled (e.g. one of the two cores taken): not a measurement
+                worst = max(worst, stalled)
+        log.info("autotune fxc::linear K=%d N=%d %s vs %s: %s", k, n, _DTYPES[dtype], baseline,
+                 ", ".join(f"M={m} {fxc_t[m] * 1e6:.1f}/{aten_t[m] * 1e6:.1f} us" for m in ms))
+        return fxc_t, aten_t, worst
+
+
+def _bench(fns, budget_s: float) -> tuple[list[float], float]:
+    """Per-call times of each ``fn(i)``, calls interleaved (fn0, fn1, fn0, ...) so that contention
+    hits every candidate alike; returns the 25th percentile of each, and the largest fraction of
+    stalled calls (over 3x that candidate's fastest) of any candidate.
+
+    A low percentile, not the mean: on a shared host a call can lose a scheduler slice (an
+    OpenMP barrier waits for a descheduled thread), and the decision is cached for good."""
+    est = []
+    for f in fns:
+        f(0)
+        best = math.inf
+        for i in range(1, 4):
+            t0 = time.perf_counter()
+            f(i)
+            best = min(best, time.perf_counter() - t0)
+        est.append(max(best, 1e-7))
+    calls = max(20, min(5000, int(budget_s / sum(est))))
+    samples: list[list[float]] = [[] for _ in fns]
+    clock = time.perf_counter
+    deadline = clock() + 4 * budget_s  # stalls must not stretch a build: stop early, keep what was measured
+    for i in range(calls):
+        for f, out in zip(fns, samples):
+            t0 = clock()
+            f(i)
+            out.append(clock() - t0)
+        if i >= 4 and clock() > deadline:
+            break
+    stalled = max(sum(t > 3 * min(s) for t in s) / len(s) for s in samples)
+    return [sorted(s)[len(s) // 4] for s in samples], stalled
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}

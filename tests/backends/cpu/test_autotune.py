@@ -1,0 +1,99 @@
+"""The ``fxc::linear`` autotuner (backends/cpu/autotune.py) and the IR/backend split of the linear ops."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import backends.cpu as fxc
+from backends.cpu import autotune
+from backends.cpu.autotune import LinearAutotuner
+from fxcompiler.ops import linear as linear_ops
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture()
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FXCOMPILER_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def _fast(**kw):
+    return LinearAutotuner(seconds_per_shape=0.02, max_stalled=1.0, **kw)
+
+
+def test_measure_then_read_from_cache(cache, monkeypatch):
+    t1 = _fast()
+    if t1.isa() == "aten":
+        pytest.skip("no kernels on this machine")
+    r1 = t1.measure(64, 96, torch.float32, "matmul", (1, 4))
+    assert not r1.cached and t1.measured == 1
+    assert set(r1.fxc) == set(r1.aten) == {1, 4} and all(v > 0 for v in [*r1.fxc.values(), *r1.aten.values()])
+    path = t1.cache_file()
+    assert path.parent == cache / "autotune" and path.exists()
+    assert fxc.isa().split("+")[0] in path.name and Path(autotune._build.state()["path"]).stem in path.name
+    key = r1.info["key"]
+    assert key in json.loads(path.read_text())
+
+    t2 = LinearAutotuner()
+    monkeypatch.setattr(t2, "_measure", lambda *a: pytest.fail("re-measured a cached shape"))
+    r2 = t2.measure(64, 96, torch.float32, "matmul", (1, 4))
+    assert r2.cached and r2.fxc == r1.fxc and r2.aten == r1.aten and t2.measured == 0
+
+    # another dtype, baseline or M set is another entry; both stay in the file
+    t3 = _fast()
+    r3 = t3.measure(64, 96, torch.bfloat16, "linear", (1,))
+    assert not r3.cached and t3.measured == 1
+    assert {key, r3.info["key"]} <= set(json.loads(path.read_text()))
+
+
+def test_corrupt_cache_is_remeasured(cache):
+    t = _fast()
+    if t.isa() == "aten":
+        pytest.skip("no kernels on this machine")
+    path = t.cache_file()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert not _fast().measure(32, 32, torch.float32, "matmul", (1,)).cached
+    assert _fast().measure(32, 32, torch.float32, "matmul", (1,)).cached
+
+
+def test_stalled_timings_are_not_cached(cache, monkeypatch):
+    t = LinearAutotuner(seconds_per_shape=0.02)
+    if t.isa() == "aten":
+        pytest.skip("no kernels on this machine")
+    monkeypatch.setattr(autotune, "_bench", lambda fns, budget: ([1e-5, 2e-5], 0.9))
+    r = t.measure(64, 64, torch.float32, "matmul", (1,))
+    assert r.info.get("unreliable") and not t.cache_file().exists()
+    assert not LinearAutotuner()._load()  # nothing on disk
+
+
+def test_backend_reexports_the_ir_level_ops():
+    assert fxc.pack_linear_weight is linear_ops.pack_linear_weight
+    assert fxc.linear_aten is linear_ops.linear_reference and fxc.linear_w8_aten is linear_ops.linear_w8_reference
+    assert isinstance(LinearAutotuner(), linear_ops.LinearKernelTuner)
+
+
+def test_ir_level_ops_run_without_the_backend():
+    """fxcompiler.ops alone defines fxc::linear with its ATen reference (no backend import, no build)."""
+    code = textwrap.dedent("""
+        import sys, torch, torch.nn.functional as F
+        import fxcompiler.ops
+        from fxcompiler.ops.linear import pack_linear_weight
+        w, x, b = torch.randn(40, 24), torch.randn(3, 24), torch.randn(40)
+        for dt in (torch.float32, torch.bfloat16):
+            y = torch.ops.fxc.linear(x, pack_linear_weight(w, dt), b, 40)
+            torch.testing.assert_close(y, F.linear(x, w.to(dt).float(), b), rtol=1e-5, atol=1e-5)
+        assert not [m for m in sys.modules if m == "backends" or m.startswith("backends.")]
+        print("OK")
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr[-3000:]
