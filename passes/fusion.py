@@ -5,9 +5,11 @@
 * ``fuse_silu_mul``: ``silu(gate) * up`` (the gated MLP) becomes one ``fxc::silu_mul``.
 * ``fuse_rope``: ``x * cos + cat(-x[..., h:], x[..., :h]) * sin`` (transformers'
   ``apply_rotary_pos_emb``) becomes one ``fxc::rope``; the dead pieces go at the next ``dce``.
-* ``fuse_projections``: matmuls that read the same activation with different parameter
-  weights (q/k/v, gate/up) become one matmul with the weights concatenated along N,
-  followed by a split; one bigger GEMV streams memory better than three small ones.
+* ``fuse_projections``: matmuls (``matmul`` or ``mm``) that read the same activation with
+  different parameter weights (q/k/v, gate/up) become one matmul with the weights
+  concatenated along N, followed by a split; one bigger GEMV streams memory better than
+  three small ones. Views of one tensor to the same shape count as the same activation
+  (each linear that ``decompose(model_rewrite=True)`` splits makes its own ``view``).
 
 Requires: ``weight_layout`` has run (for ``fuse_projections``); ``meta["val"]`` on nodes.
 Ensures: the same function up to fp accumulation order. Signature: ``fuse_projections``
@@ -158,19 +160,33 @@ class FuseRopePass:
         return PassResult(gm, fused > 0, {"fused": fused})
 
 
+_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _activation_key(x):
+    """Matmuls whose activations are equal values group together: the same node, or views of
+    one tensor to the same (symbolic) shape, as each decomposed linear makes its own
+    ``view(x, [B*T, K])``."""
+    xv = _val(x)
+    if isinstance(x, Node) and x.op == "call_function" and x.target in _VIEWS and isinstance(xv, torch.Tensor):
+        return ("view", x.args[0], tuple(str(d) for d in xv.shape))
+    return x
+
+
 @register_pass("fuse_projections")
 class FuseProjectionsPass:
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
         graph = gm.graph
-        groups: dict[Node, list[Node]] = {}
+        groups: dict[tuple, list[Node]] = {}
         for node in graph.nodes:
-            if _is(node, aten.matmul.default):
+            if (_is(node, aten.matmul.default) or _is(node, aten.mm.default)) and len(node.args) == 2 \
+                    and not node.kwargs:
                 w = ctx.param_of(node.args[1])
                 if w is not None and w.dim() == 2:
-                    groups.setdefault(node.args[0], []).append(node)
+                    groups.setdefault((node.target, _activation_key(node.args[0])), []).append(node)
         order = {n: i for i, n in enumerate(graph.nodes)}
         fused = 0
-        for x, mms in groups.items():
+        for (target, _), mms in groups.items():
             if len(mms) < 2:
                 continue
             weights = [ctx.param_of(m.args[1]) for m in mms]
@@ -181,9 +197,10 @@ class FuseProjectionsPass:
             cat = torch.cat(weights, dim=1)
             del weights
             first = min(mms, key=order.__getitem__)
+            x = first.args[0]  # every member's activation holds the same values; the first's dominates
             param = ctx.add_param_input(gm, "+".join(names), cat)
             with graph.inserting_before(first):
-                mm = graph.call_function(aten.matmul.default, (x, param))
+                mm = graph.call_function(target, (x, param))
                 split = graph.call_function(aten.split_with_sizes.default, (mm, sizes, -1))
                 parts = [graph.call_function(operator.getitem, (split, i)) for i in range(len(mms))]
             xv = _val(x)
