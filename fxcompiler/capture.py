@@ -5,7 +5,8 @@ attention routed through ``fxc::paged_attention`` (one node per layer). The prog
 is exported once with dynamic batch, token, block-table, logits-row and cache-size
 dims, in the training IR (no functionalisation, so cache writes stay in place), and
 then specialised per bucket by the pipeline builder. Parameters and buffers are
-lifted to graph inputs; only the rows named by ``logits_indices`` reach ``lm_head``.
+lifted to graph inputs; the output is the logits of the rows named by ``logits_indices``
+(the ``logits_slice`` pass makes only those rows reach ``lm_head``).
 
 Graph inputs (after the lifted parameters), in this order:
 ``input_ids[B,T] i64, position_ids[B,T] i64, k_cache_0..L-1, v_cache_0..L-1,
@@ -91,8 +92,10 @@ class CaptureWrapper(torch.nn.Module):
             fxc_slot_mapping=slot_mapping, fxc_query_pos=position_ids, fxc_seq_lens=seq_lens,
         )
         hidden = out[0]
-        hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, logits_indices)
-        logits = self.model.get_output_embeddings()(hidden)
+        # Logits of every row, then the sampled ones: the ``logits_slice`` pass moves the
+        # selection in front of lm_head (and the final norm), so only those rows are computed.
+        logits = self.model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1]))
+        logits = logits.index_select(0, logits_indices)
         if self.final_logit_softcapping:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits

@@ -189,8 +189,6 @@ class LLM:
             raise _later("chunked prefill (prefill_chunk_size / enable_chunked_prefill)", "issue 6, complete decoding")
         if do_decompositions_for_model_rewrite:
             raise _later("do_decompositions_for_model_rewrite", "issue 3, the pass library")
-        if embed_all_constants_into_graph:
-            raise _later("embed_all_constants_into_graph=True", "issue 3, the pass library")
         if comp_supertask_kind in ("dfg", "edf"):
             raise _later(f"comp_supertask_kind={comp_supertask_kind!r}", "issue 4, blockwise compilation")
         if num_blocks_per_supertask != 1:
@@ -263,6 +261,8 @@ class LLM:
         options = dict(compiler_config_overrides or {})
         if auto_bfloat16_cast:  # captured in the checkpoint's dtype; the auto_bfloat16_cast pass makes it bf16
             options["auto_bfloat16_cast"] = True
+        if embed_all_constants_into_graph:
+            options["embed_all_constants_into_graph"] = True
         self._captured = capture(loaded.model.to(self._device), block_size=paged_attention_block_size)
         loaded.model = None  # the captured program owns the weights now; passes free what they replace
         gc.collect()  # transformers modules hold reference cycles; free the model before the passes run

@@ -338,11 +338,12 @@ class PassManager:
 
 
 DEFAULT_PASSES = ("strip_asserts", "fold_casts", "dce", "fuse_rms_norm", "fuse_silu_mul", "fuse_rope",
-                  "weight_layout", "fuse_projections", "dce")
+                  "logits_slice", "weight_layout", "fuse_projections", "dce", "constants")
 
 
 # compiler_config_overrides keys (docs/writing-a-pass.md); the rest of the dict reaches passes as ctx.options
-OVERRIDE_KEYS = ("passes", "dump_dir", "numeric_check")
+OVERRIDE_KEYS = ("passes", "dump_dir", "numeric_check", "embed_all_constants_into_graph",
+                 "do_decompositions_for_model_rewrite", "auto_bfloat16_cast")
 
 
 def build_pass_list(options: dict[str, Any] | None = None) -> list[Pass]:

@@ -6,6 +6,7 @@ shapes recorded in the pipeline and the padding the runtime applies.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -102,6 +103,20 @@ def _user_tensor_infos(ctx: CompileContext, bucket: Bucket, block_size: int) -> 
     return {k: TensorInfo(*v) for k, v in shapes.items()}
 
 
+def _constants_digest(gm: torch.fx.GraphModule) -> str:
+    """Hash of the weights a graph carries as constants (``embed_all_constants_into_graph``):
+    two graphs with the same code but different embedded weights are different blobs."""
+    names = sorted(gm.meta.get("fxc_constants", {}))
+    if not names:
+        return ""
+    h = hashlib.sha256()
+    for name in names:
+        t = getattr(gm, name).detach().contiguous()
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return "\n# constants " + h.hexdigest()
+
+
 def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name: str, *, kind: str = "fx",
                     device: str = "cpu", block_size: int = 16, options: dict[str, Any] | None = None,
                     instruments=None, param_file: ParamFileInfo | None = None,
@@ -111,7 +126,7 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
                                   "('dfg' and 'edf' belong to the blockwise-compilation work)")
     t0 = time.perf_counter()
     gm, ctx = optimise(captured, options, instruments, services)
-    blob = DataBlob(DataBlob.content_id("fx", gm.code), "fx", gm)
+    blob = DataBlob(DataBlob.content_id("fx", gm.code + _constants_digest(gm)), "fx", gm)
     param_file = param_file or ParamFileInfo("", "memory")
     params = {
         s.name: ParamInfo(list(ctx.params[s.target].shape), dtype_name(ctx.params[s.target].dtype),

@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from fxcompiler import LLM, SamplingParams
 from fxcompiler.config import SchedulerConfig
+from fxcompiler.pipeline import ParamInfo
 
 PROMPTS = [
     [5, 6, 7, 8, 9, 10, 11],
@@ -99,3 +100,25 @@ def test_furiosa_bucket_policies_keep_parity(tiny_models):
         used = {p.bucket for p in llm.pipelines}
         assert used == set(llm.buckets)
     assert max(b.batch_size for b in llm.buckets if b.is_decode) == 4
+
+
+@pytest.mark.parametrize("arch,embed,rewrite", [
+    ("llama", True, False), ("gpt2", True, False),
+    ("qwen2", False, True), ("gpt2", False, True),
+    ("mistral", True, True), ("llama", True, True),
+])
+def test_greedy_parity_under_constant_embedding_and_model_rewrite(arch, embed, rewrite, tiny_models):
+    """Parity still holds for every combination of ``embed_all_constants_into_graph`` and
+    ``do_decompositions_for_model_rewrite`` (the default combination is the test above)."""
+    path = tiny_models[arch]
+    llm = LLM(str(path), dtype="float64", max_seq_len_to_capture=256, cache_dir=None,
+              embed_all_constants_into_graph=embed, do_decompositions_for_model_rewrite=rewrite)
+    history = {h["pass"]: h for h in llm.pass_history}
+    assert history["constants"]["embedded"] > 0 if embed else history["constants"]["param_inputs"] > 0
+    if embed:
+        assert not any(isinstance(t, ParamInfo) for t in llm.pipelines[0].tensors.values())
+    prompts = PROMPTS[:4]
+    outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=32, ignore_eos=True), prompt_token_ids=prompts)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 32), f"{arch}: prompt {prompt[:5]}..."
