@@ -7,6 +7,7 @@ from collections import Counter
 
 import torch
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from fxcompiler import testing
 from fxcompiler.pass_manager import DEFAULT_PASSES, CompileContext, FunctionPass, PassResult, get_pass
@@ -30,23 +31,20 @@ def _pipeline(*names, first=None):
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=testing.model_configs(max_layers=2), bucket=testing.buckets())
-def test_decompose_preserves_semantics(cfg, bucket):
+@given(cfg=testing.model_configs(max_layers=2), bucket=testing.buckets(), pipeline=st.booleans())
+def test_decompose_preserves_semantics(cfg, bucket, pipeline):
+    """Every case checks the default table; half of them then ``model_rewrite=True`` alone, the
+    other half ``model_rewrite=True`` followed by the whole default pipeline (one capture each)."""
     program = testing.capture_tiny_model(cfg)
     inputs = testing.example_inputs(program, bucket)
     info = testing.assert_pass_preserves_semantics(get_pass("decompose"), program, inputs)
     assert info["skipped"] == 0 and info["decomposed"] > 0 and not info["model_rewrite"]
-    info = testing.assert_pass_preserves_semantics(get_pass("decompose", model_rewrite=True), program, inputs)
-    assert info["skipped"] == 0 and info["by_op"]["aten.linear.default"] >= 1
-
-
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(cfg=testing.model_configs(max_layers=2), bucket=testing.buckets())
-def test_model_rewrite_then_default_pipeline_preserves_semantics(cfg, bucket):
-    program = testing.capture_tiny_model(cfg)
-    inputs = testing.example_inputs(program, bucket)
-    testing.assert_pass_preserves_semantics(
-        _pipeline(*DEFAULT_PASSES, first=get_pass("decompose", model_rewrite=True)), program, inputs)
+    rewrite = get_pass("decompose", model_rewrite=True)
+    if pipeline:
+        testing.assert_pass_preserves_semantics(_pipeline(*DEFAULT_PASSES, first=rewrite), program, inputs)
+    else:
+        info = testing.assert_pass_preserves_semantics(rewrite, program, inputs)
+        assert info["skipped"] == 0 and info["by_op"]["aten.linear.default"] >= 1
 
 
 def _ops(gm) -> Counter:
@@ -181,3 +179,16 @@ def test_mutating_ops_are_never_decomposed():
     assert set(MODEL_REWRITE_TABLE) & set(DEFAULT_TABLE) == set()
     gm, _, infos = _run(program, [p])
     assert infos["decompose"]["decomposed"] == 0
+
+
+def test_model_rewrite_lm_head_still_sliced_when_logits_slice_follows_weight_layout():
+    """``logits_slice`` moves the row selection through projections on a parameter weight; a
+    decomposed lm_head reads ``permute(W)`` until ``weight_layout`` has run, so the pass must
+    come after it for ``model_rewrite`` graphs to compute logits of the sampled rows only."""
+    order = [n for n in DEFAULT_PASSES if n != "logits_slice"]
+    order.insert(order.index("weight_layout") + 1, "logits_slice")
+    program = testing.capture_tiny_model(LLAMA)
+    gm, ctx, infos = _run(program, [get_pass("decompose", model_rewrite=True), *order])
+    out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert out.target is aten.mm.default and infos["logits_slice"]["moved"] >= 1
+    assert _ops(gm)["aten.index_select.default"] == 1
