@@ -25,8 +25,8 @@ PROMPTS = [
     "def fibonacci(n):",
     "List three colours:",
     "Water boils at",
-    "The theory of relativity, proposed by Albert Einstein in the early twentieth century, changed our "
-    "understanding of space and time. In simple terms, it says that",
+    ("The theory of relativity, proposed by Albert Einstein in the early twentieth century, changed our "
+     "understanding of space and time. In simple terms, it says that"),
     "Hello",
     "Translate to French: I like apples.",
 ]

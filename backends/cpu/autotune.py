@@ -27,8 +27,8 @@ import math
 import os
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F

@@ -95,5 +95,6 @@ def test_ir_level_ops_run_without_the_backend():
         print("OK")
     """)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       check=False)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout + r.stderr[-3000:]
