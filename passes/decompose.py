@@ -13,7 +13,7 @@ the node. Nothing else is touched: placeholders (and their names), ``fxc::*`` op
 mutating op are never decomposed. In-place ops that a decomposition emits on a fresh
 intermediate it owns (``mean(...).add_(eps)``) are made out-of-place.
 
-Default table (:data:`DEFAULT_TABLE`; the ops' own CompositeImplicitAutograd kernels or
+Default table (``DEFAULT_TABLE``, built on first use; the ops' own CompositeImplicitAutograd kernels or
 ``torch._decomp``'s core-ATen entries, except where "project" is said):
 
 =================================================  ==========================================
@@ -40,7 +40,7 @@ strides, and the ``fxc::*`` fake kernels do not promise the strides of their dev
 kernels), and every ``fxc::*`` op.
 
 ``model_rewrite=True`` (or ``ctx.options["do_decompositions_for_model_rewrite"]``) adds
-(:data:`MODEL_REWRITE_TABLE`) ``linear`` → ``permute(w, [1, 0])`` + ``mm`` / ``addmm`` (with
+(``MODEL_REWRITE_TABLE``) ``linear`` → ``permute(w, [1, 0])`` + ``mm`` / ``addmm`` (with
 ``view`` / ``_unsafe_view`` around it for 3-D activations), ``native_layer_norm`` →
 ``var_mean → sub → rsqrt → mul → mul weight → add bias``, and ``fxc::rms_norm`` → its ATen
 reference, so that a later sharding pass can address the pieces. ``weight_layout`` and
@@ -57,6 +57,7 @@ are unchanged; every new node has ``meta["val"]``. A node whose decomposition wo
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from collections import Counter
@@ -82,9 +83,10 @@ def _cia(op: torch._ops.OpOverload) -> Callable:
 
 
 def _core(op: torch._ops.OpOverload) -> Callable:
-    from torch._decomp import core_aten_decompositions
+    """torch._decomp's core-ATen entry for ``op``."""
+    from torch._decomp import decomposition_table
 
-    return core_aten_decompositions()[op]
+    return decomposition_table[op]
 
 
 def _dropout(x, p: float, train: bool | None):
@@ -133,8 +135,24 @@ def _model_rewrite_table() -> dict[torch._ops.OpOverload, Callable]:
             torch.ops.fxc.rms_norm.default: _fxc_rms_norm}
 
 
-DEFAULT_TABLE: dict[torch._ops.OpOverload, Callable] = _default_table()
-MODEL_REWRITE_TABLE: dict[torch._ops.OpOverload, Callable] = _model_rewrite_table()
+@functools.cache
+def default_table() -> dict[torch._ops.OpOverload, Callable]:
+    """The default table (built on first use: ``torch._decomp`` costs ~0.6 s to load)."""
+    return _default_table()
+
+
+@functools.cache
+def model_rewrite_table() -> dict[torch._ops.OpOverload, Callable]:
+    """What ``model_rewrite=True`` adds to the table."""
+    return _model_rewrite_table()
+
+
+def __getattr__(name: str):  # PEP 562: DEFAULT_TABLE / MODEL_REWRITE_TABLE, built lazily
+    if name == "DEFAULT_TABLE":
+        return default_table()
+    if name == "MODEL_REWRITE_TABLE":
+        return model_rewrite_table()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _never_decompose(op) -> bool:
@@ -161,9 +179,9 @@ class DecomposePass:
         rewrite = self.model_rewrite
         if rewrite is None:
             rewrite = bool((ctx.options if ctx is not None else {}).get(OPTION, False))
-        table = dict(DEFAULT_TABLE if self.table is None else self.table)
+        table = dict(default_table() if self.table is None else self.table)
         if rewrite:
-            table.update(MODEL_REWRITE_TABLE)
+            table.update(model_rewrite_table())
         return {op: fn for op, fn in table.items() if not _never_decompose(op)}
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
