@@ -98,6 +98,21 @@ def test_lowering_preserves_semantics_bf16(cfg, bucket):
     assert info["lowered"] > 0
 
 
+def test_lowering_after_auto_bfloat16_cast():
+    """An fp32 checkpoint cast by ``auto_bfloat16_cast`` (before ``weight_layout``): bf16 weights get bf16 kernels."""
+    names = list(BEFORE)
+    names.insert(names.index("weight_layout"), "auto_bfloat16_cast")
+    before = tuple(get_pass(n, enabled=True) if n == "auto_bfloat16_cast" else get_pass(n) for n in names)
+    for arch in ("llama", "gpt2"):
+        cfg = testing.TinyConfig(arch, layers=2, hidden=32, heads=4, kv_heads=4 if arch == "gpt2" else 2, vocab=64,
+                                 intermediate=48)
+        program = testing.capture_tiny_model(cfg, dtype=torch.float32)
+        info = testing.assert_pass_preserves_semantics(
+            get_pass("lower_cpu_kernels", force=True), program, testing.example_inputs(program, testing.TestBucket(2, 3, 5, 4)),
+            rtol=2e-2, atol=2e-2, passes_before=before)
+        assert info["lowered"] == 2 * 4 + 1 and {d["dtype"] for d in info["decisions"]} == {"bfloat16"}
+
+
 def test_lowering_without_weight_layout_and_with_tied_embedding():
     """aten.linear (weight_layout off) and GPT-2's addmm on [K, N] Conv1D weights are lowered too."""
     for cfg in (CFG, testing.TinyConfig("gpt2", layers=2, hidden=32, heads=4, kv_heads=4, vocab=97,
