@@ -61,7 +61,8 @@ import functools
 import logging
 import operator
 from collections import Counter
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
@@ -158,7 +159,7 @@ def __getattr__(name: str):  # PEP 562: DEFAULT_TABLE / MODEL_REWRITE_TABLE, bui
 def _never_decompose(op) -> bool:
     """Mutating ops (the KV-cache writes) and the attention op stay whole whatever the table says."""
     return (not isinstance(op, torch._ops.OpOverload) or op._schema.is_mutable
-            or op is getattr(getattr(torch.ops, "fxc"), "paged_attention", None))
+            or op is getattr(torch.ops.fxc, "paged_attention", None))
 
 
 class _Untraceable(Exception):
@@ -260,7 +261,7 @@ def _trace(node: Node, fn: Callable, table: Mapping) -> tuple[GraphModule, list[
     try:
         with mode:
             sub = make_fx(call, decomposition_table=dict(table), tracing_mode="symbolic")(*vals)
-    except Exception as exc:  # noqa: BLE001 - any trace failure keeps the node
+    except Exception as exc:
         _restore_shape_env(state)
         raise _Untraceable(f"trace failed: {exc}") from exc
     if _changed(state):

@@ -10,7 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fxcompiler import testing
-from fxcompiler.pass_manager import DEFAULT_PASSES, CompileContext, FunctionPass, PassResult, get_pass
+from fxcompiler.pass_manager import (
+    DEFAULT_PASSES,
+    CompileContext,
+    FunctionPass,
+    PassResult,
+    get_pass,
+)
 from passes.decompose import DEFAULT_TABLE, MODEL_REWRITE_TABLE, OPTION
 
 aten = torch.ops.aten
@@ -177,7 +183,7 @@ def test_mutating_ops_are_never_decomposed():
     p = get_pass("decompose", table={torch.ops.fxc.paged_attention.default: lambda *a: None})
     assert torch.ops.fxc.paged_attention.default not in p.table_for(CompileContext([], {}, None))
     assert set(MODEL_REWRITE_TABLE) & set(DEFAULT_TABLE) == set()
-    gm, _, infos = _run(program, [p])
+    _, _, infos = _run(program, [p])
     assert infos["decompose"]["decomposed"] == 0
 
 
@@ -188,7 +194,7 @@ def test_model_rewrite_lm_head_still_sliced_when_logits_slice_follows_weight_lay
     order = [n for n in DEFAULT_PASSES if n != "logits_slice"]
     order.insert(order.index("weight_layout") + 1, "logits_slice")
     program = testing.capture_tiny_model(LLAMA)
-    gm, ctx, infos = _run(program, [get_pass("decompose", model_rewrite=True), *order])
+    gm, _, infos = _run(program, [get_pass("decompose", model_rewrite=True), *order])
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
     assert out.target is aten.mm.default and infos["logits_slice"]["moved"] >= 1
     assert _ops(gm)["aten.index_select.default"] == 1
