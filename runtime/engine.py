@@ -34,6 +34,15 @@ class EngineStats:
     padded_tokens: int = 0
     interleaved_prefills: int = 0  # prefill steps that ran while other sequences were mid-decode
     preemptions: int = 0
+    prefill_chunks: int = 0  # prefill steps that computed one chunk of a long prompt
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which reused from cached blocks (not recomputed)
+    prefix_cache_evictions: int = 0
+    copies_on_write: int = 0  # shared blocks copied before a forked sequence wrote into them
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 @dataclass(eq=False)
@@ -64,25 +73,43 @@ class Engine:
         self.max_context = max_context
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
+        self._token_text: dict[int, str] = {}
         self._arrival = itertools.count()
 
     # -- requests -------------------------------------------------------------------------
+    def configure(self, *, enable_prefix_caching: bool | None = None, prefill_chunk_size: int | None = None) -> None:
+        """Switch prefix caching and chunked prefill (before requests are added)."""
+        if enable_prefix_caching is not None:
+            self.scheduler.blocks.enable_prefix_caching = bool(enable_prefix_caching)
+        if prefill_chunk_size is not None:
+            if isinstance(prefill_chunk_size, bool) or not isinstance(prefill_chunk_size, int) \
+                    or prefill_chunk_size < 1:
+                raise ValueError(f"prefill_chunk_size must be a positive int, got {prefill_chunk_size!r}")
+            self.scheduler.prefill_chunk_size = prefill_chunk_size
+
+    def _new_seq(self, request_id: str, index: int, prompt_token_ids: list[int], params: SamplingParams,
+                 prompt: str | None, generator: torch.Generator | None) -> Sequence:
+        eos = frozenset() if params.ignore_eos else self.eos_token_ids
+        seq = Sequence(request_id, index, prompt_token_ids, params, next(self._arrival), eos_token_ids=eos,
+                       generator=generator, prompt=prompt, logprobs=[] if params.logprobs is not None else None)
+        if self.tokenizer is not None:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
+                                                     skip_special_tokens=params.skip_special_tokens)
+        return seq
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.n != 1 or params.best_of not in (None, 1) or params.use_beam_search:
-            raise NotImplementedError("n > 1, best_of > 1 and beam search are not implemented yet "
-                                      "(parallel sampling and beam search belong to the decoding issue)")
-        if params.prompt_logprobs:
-            raise NotImplementedError("prompt_logprobs is not implemented yet")
+        if params.use_beam_search:
+            raise NotImplementedError("beam search is not implemented yet (the decoding issue)")
+        if not prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
-        eos = frozenset() if params.ignore_eos else self.eos_token_ids
-        seq = Sequence(request_id, 0, list(prompt_token_ids), params, next(self._arrival), eos_token_ids=eos,
-                       generator=gen, prompt=prompt, logprobs=[] if params.logprobs is not None else None)
-        if self.tokenizer is not None:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
-                                                     skip_special_tokens=params.skip_special_tokens)
+        seq = self._new_seq(request_id, 0, list(prompt_token_ids), params, prompt, gen)
+        seq.pending_forks = (params.best_of or params.n) - 1
+        if params.prompt_logprobs is not None:
+            seq.prompt_logprobs = [None]
         self.requests[request_id] = RequestState(request_id, prompt, seq.prompt_token_ids, params, [seq], [0], [0])
         self.scheduler.add(seq)
 
@@ -101,20 +128,42 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        seqs = batch.seqs
         logits = self.runner.execute(batch)
-        out = self.sampler(logits, seqs)
         self._account(batch)
+        blocks = self.scheduler.blocks
+        rows: list[int] = []
+        seqs: list[Sequence] = []
         touched: dict[str, RequestState] = {}
+        for i, seq in enumerate(batch.seqs):
+            first, count = batch.logit_rows[i]
+            if seq.prompt_logprobs is not None and batch.is_prefill:
+                self._collect_prompt_logprobs(seq, logits[first:first + count], seq.num_cached - batch.num_new[i])
+            blocks.commit(seq)
+            if seq.num_cached < seq.num_tokens:
+                continue  # an intermediate chunk of a long prompt: nothing to sample yet
+            rows.append(first + count - 1)
+            seqs.append(seq)
+            if seq.pending_forks:
+                for child in self._fork(seq):
+                    rows.append(first + count - 1)
+                    seqs.append(child)
+        if not seqs:
+            return []
+        if rows != list(range(logits.shape[0])):
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        out = self.sampler(logits, seqs)
+        self.stats.generated_tokens += len(seqs)
         want_top = out.top_logprobs
         for i, (seq, token) in enumerate(zip(seqs, out.token_ids)):
             seq.output_token_ids.append(token)
             seq.cumulative_logprob += out.logprobs[i]
             if seq.logprobs is not None:
-                entry = {token: Logprob(out.logprobs[i], None, None)}
+                entry = {token: Logprob(out.logprobs[i], None, self._decoded(token))}
                 if want_top is not None:
                     for rank, (tid, lp) in enumerate(want_top[i][: seq.params.logprobs], start=1):
-                        entry.setdefault(tid, Logprob(lp, rank, None))
+                        if tid == token:
+                            entry[tid].rank = rank
+                        entry.setdefault(tid, Logprob(lp, rank, self._decoded(tid)))
                 seq.logprobs.append(entry)
             if seq.detokenizer is not None:
                 seq.detokenizer.push([token])
@@ -122,21 +171,78 @@ class Engine:
             touched[seq.request_id] = self.requests[seq.request_id]
         return [o for st in touched.values() if (o := self._make_output(st)) is not None]
 
+    def _fork(self, seq: Sequence) -> list[Sequence]:
+        """Parallel samples of ``seq``'s request: children sharing all its KV blocks."""
+        st = self.requests[seq.request_id]
+        children = []
+        after = seq
+        for k in range(1, seq.pending_forks + 1):
+            child = self._new_seq(seq.request_id, k, seq.prompt_token_ids, seq.params, seq.prompt, seq.generator)
+            self.scheduler.blocks.fork(seq, child)
+            self.scheduler.add_running(child, after)
+            after = child
+            st.seqs.append(child)
+            st.sent.append(0)
+            st.sent_text.append(0)
+            children.append(child)
+        seq.pending_forks = 0
+        return children
+
+    def _decoded(self, token: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        text = self._token_text.get(token)
+        if text is None:
+            text = self._token_text[token] = self.tokenizer.decode([token])
+        return text
+
+    def _collect_prompt_logprobs(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
+        """Entries for the prompt tokens that positions ``start...`` predict (raw model distribution)."""
+        prompt = seq.prompt_token_ids
+        P = len(prompt)
+        n = min(logits.shape[0], P - 1 - start)
+        if n <= 0 or len(seq.prompt_logprobs) >= start + 1 + n:
+            return
+        x = logits[:n]
+        lp = torch.log_softmax(x if x.dtype in (torch.float32, torch.float64) else x.float(), dim=-1)
+        targets = torch.tensor(prompt[start + 1:start + 1 + n], device=lp.device)
+        vals = lp.gather(1, targets[:, None])
+        ranks = ((lp > vals).sum(dim=-1) + 1).tolist()
+        vals = vals.squeeze(1).tolist()
+        k = seq.params.prompt_logprobs
+        k = lp.shape[1] if k == -1 else min(k, lp.shape[1])
+        top_v, top_i = (torch.topk(lp, k, dim=-1) if k > 0 else (None, None))
+        top_v = top_v.tolist() if k > 0 else None
+        top_i = top_i.tolist() if k > 0 else None
+        for j in range(n):
+            if len(seq.prompt_logprobs) != start + 1 + j:
+                continue  # already collected (a recomputed sequence)
+            tok = prompt[start + 1 + j]
+            entry = {tok: Logprob(vals[j], ranks[j], self._decoded(tok))}
+            if k > 0:
+                for r, (tid, v) in enumerate(zip(top_i[j], top_v[j]), start=1):
+                    entry.setdefault(tid, Logprob(v, r, self._decoded(tid)))
+            seq.prompt_logprobs.append(entry)
+
     def _account(self, batch) -> None:
         s = self.stats
         s.steps += 1
-        real = sum(q.num_tokens for q in batch.seqs) if batch.is_prefill else len(batch.seqs)
+        real = sum(batch.num_new)
         if batch.is_prefill:
             if len(self.scheduler.running) > len(batch.seqs):
                 s.interleaved_prefills += 1
             s.prefill_steps += 1
             s.prompt_tokens += real
-            s.padded_tokens += batch.bucket.batch_size * batch.bucket.attention_size - real
+            s.padded_tokens += batch.bucket.batch_size * batch.bucket.input_ids_size - real
+            if batch.is_chunk or batch.bucket.kv_cache_size:
+                s.prefill_chunks += 1
         else:
             s.decode_steps += 1
             s.padded_tokens += batch.bucket.batch_size - real
-        s.generated_tokens += len(batch.seqs)
+        b = self.scheduler.blocks
         s.preemptions = self.scheduler.num_preemptions
+        s.prefix_cache_queries, s.prefix_cache_hits = b.prefix_queries, b.prefix_hits
+        s.prefix_cache_evictions, s.copies_on_write = b.evictions, b.copies_on_write
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params
@@ -152,7 +258,8 @@ class Engine:
                 if s in text:
                     reason, stop_reason = "stop", s
                     break
-        if reason is None and (n_out >= p.max_tokens or seq.num_tokens >= self.max_context):
+        if reason is None and ((p.max_tokens is not None and n_out >= p.max_tokens)
+                               or seq.num_tokens >= self.max_context):
             reason = "length"
         if reason is not None:
             seq.stop_reason = stop_reason
@@ -175,8 +282,15 @@ class Engine:
         finished = st.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        seqs = st.seqs
+        n = st.params.n
+        if len(seqs) > n:  # best_of > n: the n best by cumulative logprob
+            seqs = sorted(seqs, key=lambda q: q.cumulative_logprob, reverse=True)[:n]
+            if not finished:
+                seqs.sort(key=lambda q: q.index)
         completions = []
-        for j, seq in enumerate(st.seqs):
+        for seq in seqs:
+            j = seq.index
             text = self._text(seq)
             ids = seq.output_token_ids
             logprobs = seq.logprobs
@@ -191,4 +305,6 @@ class Engine:
                 stop_reason=seq.stop_reason))
         if finished:
             self.requests.pop(st.request_id, None)
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, finished)
+        prompt_lp = st.seqs[0].prompt_logprobs
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, finished,
+                             prompt_logprobs=list(prompt_lp) if prompt_lp is not None else None)

@@ -27,7 +27,10 @@ class ModelRunner:
         self.block_size = blocks.block_size
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
-        """Run one step; returns logits ``[len(batch.seqs), vocab]`` (rows beyond are never computed)."""
+        """Run one step; returns the logits rows named by ``batch.logit_rows`` (set here): each
+        sequence's last computed token, plus every computed prompt position of a sequence that
+        asked for prompt logprobs. Pending copy-on-write block copies are done first."""
+        self.kv.copy_blocks(self.blocks.take_pending_copies())
         inputs = self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch)
         exe = self.executables[batch.bucket]
         with torch.inference_mode():
@@ -40,28 +43,38 @@ class ModelRunner:
         return (*t, *self.kv.k, *self.kv.v, *rest)
 
     def prepare_prefill(self, batch: ScheduledBatch):
+        """Each sequence computes ``num_new`` tokens from ``num_cached`` on (its whole prompt, the
+        part the prefix cache lacks, or a chunk), attending over the cached context before them."""
         seqs, bucket, bs = batch.seqs, batch.bucket, self.block_size
-        B, T = bucket.batch_size, bucket.attention_size
+        B, T = bucket.batch_size, bucket.input_ids_size
         ids = np.zeros((B, T), dtype=np.int64)
         pos = np.zeros((B, T), dtype=np.int64)
         slots = np.zeros((B, T), dtype=np.int64)  # padding writes go to the null block
         seq_lens = np.ones(B, dtype=np.int64)
-        logits_idx = np.empty(len(seqs), dtype=np.int64)
+        ends = [s.num_cached + q for s, q in zip(seqs, batch.num_new)]
         rows = np.array([s.slot for s in seqs], dtype=np.int64)
-        max_blocks = int(self.blocks.num_seq_blocks[rows].max())
-        table = np.zeros((B, max_blocks), dtype=np.int64)
-        table[: len(seqs)] = self.blocks.block_tables[rows, :max_blocks]
-        ar = np.arange(T, dtype=np.int64)
-        for i, s in enumerate(seqs):
-            toks = s.all_token_ids()
-            n = len(toks)
-            ids[i, :n] = toks
-            pos[i, :n] = ar[:n]
-            slots[i, :n] = table[i, ar[:n] // bs] * bs + ar[:n] % bs
-            seq_lens[i] = n
-            logits_idx[i] = i * T + n - 1
-            s.num_cached = n
-        return self._tensors(ids, pos, table, slots, seq_lens, logits_idx)
+        width = -(-max(ends) // bs)
+        table = np.zeros((B, width), dtype=np.int64)
+        table[: len(seqs)] = self.blocks.block_tables[rows, :width]
+        logits_idx: list[int] = []
+        layout: list[tuple[int, int]] = []
+        for i, (s, q, end) in enumerate(zip(seqs, batch.num_new, ends)):
+            start = s.num_cached
+            toks = s.all_token_ids()[start:end]
+            p = np.arange(start, end, dtype=np.int64)
+            ids[i, :q] = toks
+            pos[i, :q] = p
+            slots[i, :q] = table[i, p // bs] * bs + p % bs
+            seq_lens[i] = end
+            first = len(logits_idx)
+            if s.params.prompt_logprobs is not None and start < len(s.prompt_token_ids) - 1:
+                logits_idx.extend(range(i * T, i * T + q))
+            else:
+                logits_idx.append(i * T + q - 1)
+            layout.append((first, len(logits_idx) - first))
+            s.num_cached = end
+        batch.logit_rows = layout
+        return self._tensors(ids, pos, table, slots, seq_lens, np.array(logits_idx, dtype=np.int64))
 
     def prepare_decode(self, batch: ScheduledBatch):
         seqs, bucket, bs = batch.seqs, batch.bucket, self.block_size
@@ -83,4 +96,5 @@ class ModelRunner:
         seq_lens[:n] = lens
         for s in seqs:
             s.num_cached = s.num_tokens
+        batch.logit_rows = [(i, 1) for i in range(n)]
         return self._tensors(ids, pos, table, slots, seq_lens, np.arange(n, dtype=np.int64))

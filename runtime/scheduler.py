@@ -25,12 +25,30 @@ PREFILL_LOOKAHEAD = 64
 
 @dataclass(slots=True)
 class ScheduledBatch:
+    """One step: ``seqs`` each compute their tokens ``[num_cached, num_cached + num_new[i])``.
+
+    A prefill batch computes prompt tokens (all of them, or what the prefix cache does not
+    hold, or one chunk of a long prompt); a decode batch computes one token per sequence.
+    Sequences whose last token is computed in this step sample their next token."""
+
     bucket: Bucket
     seqs: list[Sequence]
+    prefill: bool | None = None  # None: the bucket's phase
+    num_new: list[int] | None = None  # None: every uncomputed token of each sequence
+    logit_rows: list[tuple[int, int]] | None = None  # (first row, rows) of each sequence in the logits
+
+    def __post_init__(self):
+        if self.num_new is None:
+            self.num_new = [s.num_tokens - s.num_cached for s in self.seqs]
 
     @property
     def is_prefill(self) -> bool:
-        return self.bucket.is_prefill
+        return self.bucket.is_prefill if self.prefill is None else self.prefill
+
+    @property
+    def is_chunk(self) -> bool:
+        """A prefill piece that does not reach the end of its sequence's tokens."""
+        return any(s.num_cached + q < s.num_tokens for s, q in zip(self.seqs, self.num_new))
 
 
 def smallest_bucket(buckets: list[Bucket], batch: int, attention: int) -> Bucket | None:
@@ -45,7 +63,7 @@ def smallest_bucket(buckets: list[Bucket], batch: int, attention: int) -> Bucket
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, blocks: BlockManager, prefill_buckets: list[Bucket],
-                 decode_buckets: list[Bucket]):
+                 decode_buckets: list[Bucket], prefill_chunk_size: int | None = None):
         if not prefill_buckets or not decode_buckets:
             raise ValueError("the scheduler needs at least one prefill and one decode bucket")
         self.config = config
@@ -57,9 +75,14 @@ class Scheduler:
         self.max_prompt_len = max(b.attention_size for b in prefill_buckets)
         self.max_context = max(b.attention_size for b in decode_buckets)
         self.spare_blocks = int(config.spare_blocks_ratio * blocks.num_usable_blocks)
+        self.prefill_chunk_size = prefill_chunk_size if prefill_chunk_size is not None \
+            else config.prefill_chunk_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.prefilling: Sequence | None = None  # the sequence being prefilled chunk by chunk
+        self._chunk_next = True
         self.num_preemptions = 0
+        self.num_chunks = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -77,63 +100,121 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.blocks.free(seq)
+        if seq is self.prefilling:
+            self.prefilling = None
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
 
+    def add_running(self, seq: Sequence, after: Sequence) -> None:
+        """A sequence forked from ``after`` (already holding its blocks) joins the running set."""
+        seq.status = SequenceStatus.RUNNING
+        self.running.insert(self.running.index(after) + 1, seq)
+
+    def _weight(self, seq: Sequence) -> int:
+        """Sequence slots a waiting sequence will occupy (its parallel samples fork from it)."""
+        return 1 + seq.pending_forks
+
+    def _num_running(self) -> int:
+        return len(self.running)
+
     def schedule(self) -> ScheduledBatch | None:
+        if self.prefilling is not None:
+            # A long prompt is being prefilled in chunks: alternate its chunks with steps of
+            # everything else, so running sequences keep decoding meanwhile.
+            if self._chunk_next or not self._decodable():
+                self._chunk_next = False
+                return self._schedule_chunk()
+            self._chunk_next = True
+            return self._schedule_decode()
         batch = self._schedule_prefill()
         if batch is None:
             batch = self._schedule_decode()
         return batch
 
+    def _decodable(self) -> list[Sequence]:
+        return [s for s in self.running if s is not self.prefilling]
+
+    def _schedule_chunk(self) -> ScheduledBatch:
+        seq = self.prefilling
+        left = seq.num_tokens - seq.num_cached
+        q = min(self.prefill_chunk_size, left)
+        if q == left:
+            self.prefilling = None  # the last chunk: the sequence decodes from the next step on
+            self._chunk_next = True
+        ctx = seq.num_cached
+        bucket = Bucket(1, ctx + q, ctx) if ctx else (smallest_bucket(self.prefill_buckets, 1, q)
+                                                       or Bucket.prefill(1, q))
+        self.num_chunks += 1
+        return ScheduledBatch(bucket, [seq], prefill=True, num_new=[q])
+
     def _schedule_prefill(self) -> ScheduledBatch | None:
-        room = min(self.max_prefill_batch, self.config.max_processing_samples - len(self.running),
-                   self.max_decode_batch - len(self.running))
+        busy = sum(1 + s.pending_forks for s in self.running)
+        room = min(self.config.max_processing_samples - busy, self.max_decode_batch - busy)
+        max_seqs = self.blocks.block_tables.shape[0]
         chosen: list[Sequence] = []
-        longest, real_tokens, used_blocks = 0, 0, 0
+        longest, real_tokens, used_blocks, weight = 0, 0, 0, 0
         bucket = None
+        chunk = self.prefill_chunk_size
         for looked, seq in enumerate(self.waiting):
             # FIFO for the head of the queue; later prompts may join it when they fit its
             # shape (grouping similar lengths), looking a bounded way ahead.
-            if len(chosen) >= room or looked >= PREFILL_LOOKAHEAD:
+            if len(chosen) >= self.max_prefill_batch or looked >= PREFILL_LOOKAHEAD:
+                break
+            w = self._weight(seq)
+            if weight + w > room and (chosen or self.running):
                 break
             n = seq.num_tokens
+            q = n - self.blocks.cached_prefix_tokens(seq, n)  # tokens to compute
             # Reserve the spare blocks for running sequences, and one block per running
             # sequence so admitting prompts does not immediately force preemption.
             # (With nothing running there is nothing to reserve for.)
             reserve = 0 if not self.running and not chosen else \
                 self.spare_blocks + (len(self.running) if not self.config.is_offline else 0)
-            need = self.blocks.blocks_needed(n + 1)
+            need = self.blocks.blocks_to_allocate(seq, n) + (1 if n % self.blocks.block_size == 0 else 0)
             if not self.blocks._free_slots or used_blocks + need + reserve > self.blocks.num_free_blocks \
-                    or len(self.running) + len(chosen) >= self.blocks.block_tables.shape[0]:
+                    or len(self.running) + weight + w > max_seqs:
                 break
-            cand = smallest_bucket(self.prefill_buckets, len(chosen) + 1, max(longest, n))
+            if chunk is not None and q > chunk:
+                if chosen:
+                    break  # a long prompt goes alone, next step
+                self.waiting.remove(seq)
+                self._admit(seq)
+                self.prefilling = seq
+                self._chunk_next = False
+                return self._schedule_chunk()
+            cand = smallest_bucket(self.prefill_buckets, len(chosen) + 1, max(longest, q))
             if cand is None:
-                if not chosen and seq.output_token_ids:
+                if not chosen and (seq.output_token_ids or q < n):
                     # A preempted sequence longer than any prompt bucket is recomputed alone
                     # (fx graphs are shape-dynamic; the bucket only fixes the padding).
-                    chosen, bucket = [seq], Bucket.prefill(1, n)
+                    chosen, bucket = [seq], Bucket.prefill(1, q)
                     break
                 continue
             # Padded tokens cost as much compute as real ones: batch prompts while the padding
             # stays under 25%, or while the whole step is small enough to be overhead-bound.
             area = cand.batch_size * cand.attention_size
-            if chosen and area > PREFILL_SMALL_STEP_TOKENS and area > 1.25 * (real_tokens + n) \
+            if chosen and area > PREFILL_SMALL_STEP_TOKENS and area > 1.25 * (real_tokens + q) \
                     and area > bucket.batch_size * bucket.attention_size:
                 continue
             chosen.append(seq)
             bucket = cand
-            longest, real_tokens, used_blocks = max(longest, n), real_tokens + n, used_blocks + need
+            longest, real_tokens, used_blocks, weight = max(longest, q), real_tokens + q, used_blocks + need, weight + w
         if not chosen:
             return None
         for seq in chosen:
             self.waiting.remove(seq)
-            self.blocks.allocate(seq, seq.num_tokens)
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        return ScheduledBatch(bucket, chosen)
+            self._admit(seq)
+        batch = ScheduledBatch(bucket, chosen, prefill=True)
+        if max(batch.num_new) > bucket.input_ids_size:  # the prefix cache changed in between (cannot happen)
+            batch.bucket = Bucket.prefill(len(chosen), max(batch.num_new))
+        return batch
+
+    def _admit(self, seq: Sequence) -> None:
+        self.blocks.allocate(seq, seq.num_tokens)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         if not self.running:
@@ -144,23 +225,27 @@ class Scheduler:
                     f"{self.blocks.num_usable_blocks} usable blocks of {self.blocks.block_size} tokens; raise "
                     "paged_attention_num_blocks or kv_cache_memory_bytes")
             return None
-        seqs = self.running[: self.max_decode_batch]
+        seqs = self._decodable()[: self.max_decode_batch]
         while not self.blocks.can_append(seqs):
             victim = self.running[-1]
-            if victim is seqs[0] and len(self.running) == 1:
+            if len(self.running) == 1:
                 raise RuntimeError("the KV cache is too small for a single sequence's context")
             self._preempt(victim)
-            seqs = self.running[: self.max_decode_batch]
+            seqs = self._decodable()[: self.max_decode_batch]
+        if not seqs:  # only the chunked prefill is running
+            return self._schedule_chunk() if self.prefilling is not None else None
         self.blocks.may_append(seqs)
         longest = max(s.num_tokens for s in seqs)
         bucket = smallest_bucket(self.decode_buckets, len(seqs), longest)
         if bucket is None:  # cannot happen: lengths are validated against max_context on admission
             raise RuntimeError(f"no decode bucket for batch {len(seqs)} and context {longest}")
-        return ScheduledBatch(bucket, seqs)
+        return ScheduledBatch(bucket, seqs, prefill=False, num_new=[1] * len(seqs))
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        if seq is self.prefilling:
+            self.prefilling = None
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -35,6 +35,9 @@ class Sequence:
     generator: torch.Generator | None = None
     detokenizer: Any = None
     prompt: str | None = None
+    pending_forks: int = 0  # parallel samples still to fork from this sequence after its prefill
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks (prefix cache)
+    prompt_logprobs: list | None = None  # collected during prefill when params.prompt_logprobs is set
 
     @property
     def num_tokens(self) -> int:
@@ -46,6 +49,11 @@ class Sequence:
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens whose K/V are not in the cache yet (1 for a sequence ready to decode)."""
+        return self.num_tokens - self.num_cached
 
     @property
     def is_finished(self) -> bool:
