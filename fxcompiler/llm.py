@@ -118,6 +118,9 @@ class LLM:
         dtype = parse_dtype(kwargs.pop("dtype", "auto"))
         enable_chunked_prefill = kwargs.pop("enable_chunked_prefill", None)
         max_num_batched_tokens = kwargs.pop("max_num_batched_tokens", None)
+        enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)  # vLLM's name; on by default
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         for hidden in ("optimize_paged_attention_block_loading", "sparse_select_version", "one_supertask_per_device"):
             kwargs.pop(hidden, None)
         if "config" in kwargs:
@@ -283,6 +286,7 @@ class LLM:
                 self._captured, self._build, prefill_buckets=prefill, decode_buckets=decode,
                 scheduler_config=scheduler_config, kv=self.kv_cache_plan, device=self._device,
                 tokenizer=self.tokenizer, eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
+            self.engine.configure(enable_prefix_caching=enable_prefix_caching)
         self._lock = threading.Lock()
         self._pending: dict[str, list[RequestOutput]] = {}
         if self.engine is not None:
