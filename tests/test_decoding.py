@@ -60,3 +60,86 @@ def test_prefix_caching_off(tiny_models, hf_llama):
         out = llm.generate(None, sp, prompt_token_ids=[PREFIX + [1, 2]])[0]
         assert out.outputs[0].token_ids == hf_greedy(hf_llama, PREFIX + [1, 2], 8)
     assert llm.engine.stats.prefix_cache_hits == 0 and llm.engine.scheduler.blocks.num_cached_blocks == 0
+
+
+def hf_logprobs(model, prompt, completion, temperature=1.0):
+    """log-softmax(logits / T) of each completion token given everything before it."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + completion])).logits[0]
+    lp = torch.log_softmax(logits[len(prompt) - 1:-1] / temperature, dim=-1)
+    return lp.gather(1, torch.tensor(completion)[:, None]).squeeze(1)
+
+
+@pytest.fixture(scope="module")
+def llama_llm(tiny_models):
+    return make_llm(tiny_models["llama"], paged_attention_block_size=4)
+
+
+def test_parallel_sampling_shares_prompt_blocks(llama_llm, hf_llama):
+    llm = llama_llm
+    prompt = PREFIX[:22]  # 5 full blocks of 4 and a partial one: the children copy it on write
+    stats = llm.engine.stats
+    cow = stats.copies_on_write
+    out = llm.generate(None, SamplingParams(n=3, temperature=0.8, max_tokens=10, ignore_eos=True, logprobs=0),
+                       prompt_token_ids=[prompt])[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    for c in out.outputs:
+        assert len(c.token_ids) == 10 and c.finish_reason == "length"
+        ref = hf_logprobs(hf_llama, prompt, c.token_ids, 0.8)
+        ours = torch.tensor([next(iter(e.values())).logprob for e in c.logprobs], dtype=torch.float64)
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-9)
+        assert c.cumulative_logprob == pytest.approx(float(ref.sum()), abs=1e-8)
+    assert stats.copies_on_write - cow == 2  # the prompt was computed once; its last block was copied twice
+    blocks = llm.engine.scheduler.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+def test_best_of_returns_the_best_n(llama_llm):
+    llm = llama_llm
+    sp = SamplingParams(n=2, best_of=5, temperature=1.0, max_tokens=6, ignore_eos=True, seed=123)
+    out = llm.generate(None, sp, prompt_token_ids=[PREFIX[:9]])[0]
+    assert len(out.outputs) == 2
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+    # the same seed gives the same completions, alone or among other requests
+    again = llm.generate(None, [sp, SamplingParams(n=3, temperature=1.0, max_tokens=6)],
+                         prompt_token_ids=[PREFIX[:9], PREFIX[:30]])[0]
+    assert [c.token_ids for c in again.outputs] == [c.token_ids for c in out.outputs]
+    assert llm.engine.stats.copies_on_write > 0
+
+
+def test_prompt_logprobs_and_logprobs_match_transformers(llama_llm, hf_llama):
+    prompt = PREFIX[:13]
+    out = llama_llm.generate(None, SamplingParams(temperature=0, max_tokens=4, logprobs=3, prompt_logprobs=2,
+                                                  ignore_eos=True), prompt_token_ids=[prompt])[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_llama(torch.tensor([prompt])).logits[0], dim=-1)
+    plp = out.prompt_logprobs
+    assert len(plp) == len(prompt) and plp[0] is None
+    for i in range(1, len(prompt)):
+        entry, row = plp[i], lp[i - 1]
+        tok = prompt[i]
+        assert entry[tok].logprob == pytest.approx(float(row[tok]), abs=1e-9)
+        assert entry[tok].rank == int((row > row[tok]).sum()) + 1
+        top = torch.topk(row, 2)
+        for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert entry[t].logprob == pytest.approx(v, abs=1e-9) and entry[t].rank == r
+        assert len(entry) in (2, 3)
+    comp = out.outputs[0]
+    assert comp.token_ids == hf_greedy(hf_llama, prompt, 4)
+    for step, entry in enumerate(comp.logprobs):
+        tok = comp.token_ids[step]
+        assert entry[tok].rank == 1 and len(entry) == 3  # greedy: the sampled token is the top one
+        with torch.no_grad():
+            row = torch.log_softmax(hf_llama(torch.tensor([prompt + comp.token_ids[:step]])).logits[0, -1], -1)
+        top = torch.topk(row, 3)
+        for r, (v, t) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert entry[t].logprob == pytest.approx(v, abs=1e-9) and entry[t].rank == r
+
+
+def test_max_tokens_none_fills_the_context(tiny_models):
+    llm = make_llm(tiny_models["qwen2"], max_seq_len_to_capture=48)
+    out = llm.generate(None, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
+                       prompt_token_ids=[PREFIX[:10]])[0]
+    assert len(out.outputs[0].token_ids) == 38 and out.outputs[0].finish_reason == "length"
