@@ -154,6 +154,53 @@ class DefaultBucketConfig(BucketConfig):
         return ([Bucket.prefill(b, a) for b in pb for a in attn], [Bucket.decode(b, max_seq_len) for b in db])
 
 
+def resolve_prefill_chunk_size(prefill_chunk_size: int | None, scheduler_chunk_size: int | None,
+                               enable_chunked_prefill: bool | None, max_num_batched_tokens: int | None) -> int | None:
+    """One chunk size from furiosa's ``LLM(prefill_chunk_size)``, its deprecated
+    ``SchedulerConfig.prefill_chunk_size`` and vLLM's ``enable_chunked_prefill`` +
+    ``max_num_batched_tokens`` (chunk = the token budget of a step; 512 when not given,
+    vLLM's default for chunked prefill). None: no chunking. Conflicting values raise ValueError."""
+    if prefill_chunk_size is not None:
+        _positive_int("prefill_chunk_size", prefill_chunk_size)
+    if max_num_batched_tokens is not None:
+        _positive_int("max_num_batched_tokens", max_num_batched_tokens)
+    if enable_chunked_prefill is not None and not isinstance(enable_chunked_prefill, bool):
+        raise TypeError(f"enable_chunked_prefill must be a bool, got {enable_chunked_prefill!r}")
+    if scheduler_chunk_size is not None:
+        import warnings
+
+        warnings.warn("SchedulerConfig.prefill_chunk_size is deprecated; pass LLM(prefill_chunk_size=...)",
+                      DeprecationWarning, stacklevel=3)
+        if prefill_chunk_size is not None and prefill_chunk_size != scheduler_chunk_size:
+            raise ValueError(f"prefill_chunk_size={prefill_chunk_size} conflicts with "
+                             f"SchedulerConfig.prefill_chunk_size={scheduler_chunk_size}")
+    chunk = prefill_chunk_size if prefill_chunk_size is not None else scheduler_chunk_size
+    if enable_chunked_prefill is False:
+        if chunk is not None:
+            raise ValueError(f"enable_chunked_prefill=False conflicts with prefill_chunk_size={chunk}")
+        if max_num_batched_tokens is not None:
+            raise ValueError("max_num_batched_tokens is the chunk size of chunked prefill; it needs "
+                             "enable_chunked_prefill=True (or leave it unset)")
+        return None
+    if max_num_batched_tokens is not None:
+        if chunk is not None and chunk != max_num_batched_tokens:
+            raise ValueError(f"max_num_batched_tokens={max_num_batched_tokens} conflicts with "
+                             f"prefill_chunk_size={chunk}")
+        chunk = max_num_batched_tokens
+    if enable_chunked_prefill and chunk is None:
+        chunk = 512
+    return chunk
+
+
+def chunk_buckets(chunk: int, max_prompt_len: int) -> list[Bucket]:
+    """furiosa's chunked-prefill buckets: batch 1, ``attention = i * chunk``, ``kv = (i - 1) * chunk``
+    for i = 1 .. max_prompt_len // chunk, plus a remainder bucket ending at ``max_prompt_len``."""
+    out = [Bucket(1, i * chunk, (i - 1) * chunk) for i in range(1, max_prompt_len // chunk + 1)]
+    if max_prompt_len % chunk:
+        out.append(Bucket(1, max_prompt_len, (max_prompt_len // chunk) * chunk))
+    return out
+
+
 @dataclass
 class KvCacheSharingAcrossBeamsConfig:
     beam_width: int

@@ -15,7 +15,8 @@ from typing import Any, AsyncGenerator, Dict, List, Literal, Mapping, Sequence
 import torch
 
 from .config import (BucketConfig, DefaultBucketConfig, KvCacheSharingAcrossBeamsConfig, LLMBackend, LLMConfig,
-                     ManualBucketConfig, MinimalBucketConfig, SchedulerConfig)
+                     ManualBucketConfig, MinimalBucketConfig, SchedulerConfig, chunk_buckets,
+                     resolve_prefill_chunk_size)
 from .models.loader import load_model, load_tokenizer, parse_dtype
 from .models.sources import resolve_model_source
 from .outputs import RequestOutput
@@ -187,9 +188,8 @@ class LLM:
             raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
         if kv_cache_sharing_across_beams_config is not None:
             raise _later("KV cache sharing across beams", "issue 6, complete decoding")
-        if prefill_chunk_size is not None or scheduler_config.prefill_chunk_size is not None \
-                or enable_chunked_prefill or max_num_batched_tokens is not None:
-            raise _later("chunked prefill (prefill_chunk_size / enable_chunked_prefill)", "issue 6, complete decoding")
+        self.prefill_chunk_size = resolve_prefill_chunk_size(
+            prefill_chunk_size, scheduler_config.prefill_chunk_size, enable_chunked_prefill, max_num_batched_tokens)
         if do_decompositions_for_model_rewrite:
             raise _later("do_decompositions_for_model_rewrite", "issue 3, the pass library")
         if comp_supertask_kind in ("dfg", "edf"):
@@ -256,6 +256,9 @@ class LLM:
                              f"({largest_prefill}); the buckets cannot cover it")
         self.prompt_max_seq_len = min(max_prompt_len or largest_prefill, largest_prefill, largest_decode)
         self.buckets = prefill + decode
+        if self.prefill_chunk_size is not None:  # furiosa's batch-1 chunk buckets (kv = (i-1)*chunk)
+            self.buckets += [b for b in chunk_buckets(self.prefill_chunk_size, self.prompt_max_seq_len)
+                             if b not in self.buckets]
 
         # -- build ---------------------------------------------------------------------------------
         from .build import build, plan_kv_cache, start_engine
@@ -286,7 +289,8 @@ class LLM:
                 self._captured, self._build, prefill_buckets=prefill, decode_buckets=decode,
                 scheduler_config=scheduler_config, kv=self.kv_cache_plan, device=self._device,
                 tokenizer=self.tokenizer, eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
-            self.engine.configure(enable_prefix_caching=enable_prefix_caching)
+            self.engine.configure(enable_prefix_caching=enable_prefix_caching,
+                                  prefill_chunk_size=self.prefill_chunk_size)
         self._lock = threading.Lock()
         self._pending: dict[str, list[RequestOutput]] = {}
         if self.engine is not None:

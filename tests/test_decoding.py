@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from fxcompiler import LLM, SamplingParams
+from fxcompiler.pipeline import Bucket
 
 PREFIX = [(7 * i + 3) % 250 + 3 for i in range(45)]
 SUFFIXES = [[11, 12, 13], [200, 201], list(range(30, 50)), [99], []]
@@ -143,3 +144,79 @@ def test_max_tokens_none_fills_the_context(tiny_models):
     out = llm.generate(None, SamplingParams(temperature=0, max_tokens=None, ignore_eos=True),
                        prompt_token_ids=[PREFIX[:10]])[0]
     assert len(out.outputs[0].token_ids) == 38 and out.outputs[0].finish_reason == "length"
+
+
+def test_chunk_size_arguments():
+    import warnings
+
+    from fxcompiler.config import Bucket, SchedulerConfig, chunk_buckets, resolve_prefill_chunk_size
+
+    assert resolve_prefill_chunk_size(None, None, None, None) is None
+    assert resolve_prefill_chunk_size(64, None, None, None) == 64
+    assert resolve_prefill_chunk_size(None, None, True, None) == 512
+    assert resolve_prefill_chunk_size(None, None, True, 128) == 128
+    assert resolve_prefill_chunk_size(128, None, True, 128) == 128
+    with pytest.warns(DeprecationWarning, match="deprecated"):
+        assert resolve_prefill_chunk_size(None, SchedulerConfig(prefill_chunk_size=32).prefill_chunk_size,
+                                          None, None) == 32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for args in ((64, 32, None, None), (64, None, False, None), (64, None, True, 128), (None, None, False, 64)):
+            with pytest.raises(ValueError):
+                resolve_prefill_chunk_size(*args)
+    with pytest.raises(ValueError, match="prefill_chunk_size"):
+        resolve_prefill_chunk_size(0, None, None, None)
+    assert chunk_buckets(32, 80) == [Bucket(1, 32, 0), Bucket(1, 64, 32), Bucket(1, 80, 64)]
+    assert chunk_buckets(16, 32) == [Bucket(1, 16, 0), Bucket(1, 32, 16)]
+
+
+def _record_steps(llm):
+    steps = []
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def recording(batch):
+        steps.append((batch.is_prefill, list(batch.num_new), batch.bucket))
+        return execute(batch)
+
+    runner.execute = recording
+    return steps
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_chunked_prefill_interleaves_and_keeps_greedy_outputs(tiny_models, hf_llama, prefix_caching):
+    llm = make_llm(tiny_models["llama"], enable_chunked_prefill=True, max_num_batched_tokens=16,
+                   enable_prefix_caching=prefix_caching)
+    assert llm.prefill_chunk_size == 16
+    assert Bucket(1, 48, 32) in llm.buckets and {p.bucket for p in llm.pipelines} == set(llm.buckets)
+    steps = _record_steps(llm)
+    long_prompt = [(5 * i + 1) % 253 + 3 for i in range(100)]
+    prompts = [[5, 6, 7], PREFIX[:12], long_prompt, long_prompt[:60] + [9, 9, 9] * 10]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (30, 30, 10, 10)]
+    outs = llm.generate(None, params, prompt_token_ids=prompts)
+    for p, sp, o in zip(prompts, params, outs):
+        assert o.outputs[0].token_ids == hf_greedy(hf_llama, p, sp.max_tokens)
+    chunks = [i for i, (pre, new, _) in enumerate(steps) if pre and len(new) == 1 and new[0] == 16]
+    assert len(chunks) >= 6 and llm.engine.stats.prefill_chunks >= 6
+    # between two chunks of a long prompt the running requests decode
+    first, last = chunks[0], chunks[-1]
+    assert any(not steps[i][0] for i in range(first, last))
+    assert all(n <= 16 for pre, new, _ in steps if pre for n in new)
+    if prefix_caching:  # the 4th prompt shares 3 blocks (48 tokens) with the 3rd
+        assert llm.engine.stats.prefix_cache_hits >= 48
+    blocks = llm.engine.scheduler.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+def test_chunked_prefill_prompt_logprobs(tiny_models, hf_llama):
+    llm = make_llm(tiny_models["llama"], prefill_chunk_size=8)
+    prompt = PREFIX[:30]
+    out = llm.generate(None, SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=0, ignore_eos=True),
+                       prompt_token_ids=[prompt])[0]
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_llama(torch.tensor([prompt])).logits[0], dim=-1)
+    assert len(out.prompt_logprobs) == 30 and llm.engine.stats.prefill_chunks == 4
+    for i in range(1, 30):
+        assert out.prompt_logprobs[i][prompt[i]].logprob == pytest.approx(float(lp[i - 1, prompt[i]]), abs=1e-9)
+    assert out.outputs[0].token_ids == hf_greedy(hf_llama, prompt, 3)
