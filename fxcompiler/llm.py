@@ -186,8 +186,10 @@ class LLM:
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1 or data_parallel_size not in (None, 1) \
                 or num_blocks_per_pp_stage is not None or len(self.devices) > 1:
             raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
-        if kv_cache_sharing_across_beams_config is not None:
-            raise _later("KV cache sharing across beams", "issue 6, complete decoding")
+        if kv_cache_sharing_across_beams_config is not None and not isinstance(
+                kv_cache_sharing_across_beams_config, KvCacheSharingAcrossBeamsConfig):
+            raise TypeError("kv_cache_sharing_across_beams_config must be a KvCacheSharingAcrossBeamsConfig, got "
+                            f"{type(kv_cache_sharing_across_beams_config).__name__}")
         self.prefill_chunk_size = resolve_prefill_chunk_size(
             prefill_chunk_size, scheduler_config.prefill_chunk_size, enable_chunked_prefill, max_num_batched_tokens)
         if do_decompositions_for_model_rewrite:
@@ -239,6 +241,9 @@ class LLM:
             raise ValueError(f"max_prompt_len={max_prompt_len} exceeds max_seq_len_to_capture={max_seq_len_to_capture}")
         policy = bucket_config or DefaultBucketConfig(max_decode_batch=min(256, scheduler_config.max_processing_samples))
         prefill, decode = policy.buckets(prompt_cap, max_seq_len_to_capture)
+        if kv_cache_sharing_across_beams_config is not None:  # decode buckets hold batch x beam_width rows
+            width = kv_cache_sharing_across_beams_config.beam_width
+            decode = list(dict.fromkeys(Bucket.decode(b.batch_size * width, b.attention_size) for b in decode))
         if not prefill:
             if not skip_engine:
                 raise ValueError("bucket_config has no prefill buckets (allowed only with skip_engine=True)")
@@ -290,7 +295,8 @@ class LLM:
                 scheduler_config=scheduler_config, kv=self.kv_cache_plan, device=self._device,
                 tokenizer=self.tokenizer, eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
             self.engine.configure(enable_prefix_caching=enable_prefix_caching,
-                                  prefill_chunk_size=self.prefill_chunk_size)
+                                  prefill_chunk_size=self.prefill_chunk_size,
+                                  kv_cache_sharing_across_beams=kv_cache_sharing_across_beams_config)
         self._lock = threading.Lock()
         self._pending: dict[str, list[RequestOutput]] = {}
         if self.engine is not None:
@@ -368,6 +374,8 @@ class LLM:
                 raise ValueError(f"prompts[{i}] is empty after tokenization")
             p = p.clone()
             p.verify_and_finalize_max_tokens(len(row), self.prompt_max_seq_len, self.max_seq_len_to_capture)
+            if self.engine is not None:
+                self.engine.check_params(p)  # kv_cache_sharing_across_beams_config rules
             finals.append(p)
         return single, prompts_list, ids, finals
 

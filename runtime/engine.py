@@ -15,9 +15,10 @@ import torch
 from fxcompiler.outputs import CompletionOutput, Logprob, RequestOutput
 from fxcompiler.sampling_params import RequestOutputKind, SamplingParams
 
+from .beam_search import BeamSearch
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
-from .sampler import Sampler
+from .sampler import Sampler, _apply_penalties
 from .scheduler import Scheduler
 from .sequence import Sequence
 
@@ -54,9 +55,13 @@ class RequestState:
     seqs: list[Sequence]
     sent: list[int] = field(default_factory=list)  # DELTA: tokens already reported per completion
     sent_text: list[int] = field(default_factory=list)
+    beam: BeamSearch | None = None  # beam search state
+    beams: list[Sequence] | None = None  # running beams, one entry per beam (the first step: k times one sequence)
 
     @property
     def finished(self) -> bool:
+        if self.beam is not None:
+            return self.beam.done
         return all(s.is_finished for s in self.seqs)
 
 
@@ -74,11 +79,15 @@ class Engine:
         self.requests: dict[str, RequestState] = {}
         self.stats = EngineStats()
         self._token_text: dict[int, str] = {}
+        self.beam_sharing = None  # KvCacheSharingAcrossBeamsConfig: its rules bind every request
         self._arrival = itertools.count()
 
     # -- requests -------------------------------------------------------------------------
-    def configure(self, *, enable_prefix_caching: bool | None = None, prefill_chunk_size: int | None = None) -> None:
-        """Switch prefix caching and chunked prefill (before requests are added)."""
+    def configure(self, *, enable_prefix_caching: bool | None = None, prefill_chunk_size: int | None = None,
+                  kv_cache_sharing_across_beams=None) -> None:
+        """Switch prefix caching and chunked prefill, set the beam-sharing rules (before requests are added)."""
+        if kv_cache_sharing_across_beams is not None:
+            self.beam_sharing = kv_cache_sharing_across_beams
         if enable_prefix_caching is not None:
             self.scheduler.blocks.enable_prefix_caching = bool(enable_prefix_caching)
         if prefill_chunk_size is not None:
@@ -101,17 +110,38 @@ class Engine:
                     prompt: str | None = None) -> None:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if params.use_beam_search:
-            raise NotImplementedError("beam search is not implemented yet (the decoding issue)")
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        self.check_params(params)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = self._new_seq(request_id, 0, list(prompt_token_ids), params, prompt, gen)
         seq.pending_forks = (params.best_of or params.n) - 1
         if params.prompt_logprobs is not None:
             seq.prompt_logprobs = [None]
-        self.requests[request_id] = RequestState(request_id, prompt, seq.prompt_token_ids, params, [seq], [0], [0])
+        st = RequestState(request_id, prompt, seq.prompt_token_ids, params, [seq], [0], [0])
+        if params.use_beam_search:
+            max_new = params.max_tokens if params.max_tokens is not None else self.max_context - len(prompt_token_ids)
+            st.beam = BeamSearch(params.best_of, len(seq.eos_token_ids | set(params.stop_token_ids)),
+                                 len(prompt_token_ids), min(max_new, self.max_context - len(prompt_token_ids)),
+                                 params.length_penalty, params.early_stopping)
+            st.beams = [seq] * params.best_of
+        self.requests[request_id] = st
         self.scheduler.add(seq)
+
+    def check_params(self, params: SamplingParams) -> None:
+        """Rules that depend on the engine (``kv_cache_sharing_across_beams_config``); ValueError."""
+        cfg = self.beam_sharing
+        if cfg is None:
+            return
+        if not params.use_beam_search:
+            raise ValueError("kv_cache_sharing_across_beams_config is set: requests must use beam search "
+                             "(use_beam_search=True)")
+        if params.best_of != cfg.beam_width:
+            raise ValueError(f"kv_cache_sharing_across_beams_config.beam_width={cfg.beam_width}: best_of must equal "
+                             f"it, got best_of={params.best_of}")
+        if params.max_tokens is None or params.max_tokens > cfg.max_new_tokens:
+            raise ValueError(f"kv_cache_sharing_across_beams_config.max_new_tokens={cfg.max_new_tokens}: max_tokens "
+                             f"must be at most that, got {params.max_tokens}")
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -134,6 +164,7 @@ class Engine:
         rows: list[int] = []
         seqs: list[Sequence] = []
         touched: dict[str, RequestState] = {}
+        beam_states: dict[str, RequestState] = {}
         for i, seq in enumerate(batch.seqs):
             first, count = batch.logit_rows[i]
             if seq.prompt_logprobs is not None and batch.is_prefill:
@@ -141,14 +172,22 @@ class Engine:
             blocks.commit(seq)
             if seq.num_cached < seq.num_tokens:
                 continue  # an intermediate chunk of a long prompt: nothing to sample yet
+            if seq.params.use_beam_search:
+                seq.pending_logits = logits[first + count - 1].clone()
+                beam_states[seq.request_id] = self.requests[seq.request_id]
+                continue
             rows.append(first + count - 1)
             seqs.append(seq)
             if seq.pending_forks:
                 for child in self._fork(seq):
                     rows.append(first + count - 1)
                     seqs.append(child)
+        for st in beam_states.values():
+            if all(b.pending_logits is not None for b in st.beams):
+                self._beam_step(st)
+                touched[st.request_id] = st
         if not seqs:
-            return []
+            return [o for st in touched.values() if (o := self._make_output(st)) is not None]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
         out = self.sampler(logits, seqs)
@@ -187,6 +226,59 @@ class Engine:
             children.append(child)
         seq.pending_forks = 0
         return children
+
+    def _beam_step(self, st: RequestState) -> None:
+        """All running beams have their next-token logits: advance the search one token."""
+        p = st.params
+        beams = st.beams
+        distinct = list(dict.fromkeys(beams))
+        rows = torch.stack([b.pending_logits for b in beams]).to(torch.float32)
+        log_probs = torch.log_softmax(rows, dim=-1)
+        if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias \
+                or p.min_tokens:
+            _apply_penalties(log_probs, beams)
+        for b in distinct:
+            b.pending_logits = None
+            b.pending_forks = 0
+        eos = beams[0].eos_token_ids | frozenset(p.stop_token_ids)
+        entries = None
+        if p.logprobs is not None:
+            def entries(_beam, tok, lp):
+                return {tok: Logprob(lp, None, self._decoded(tok))}
+        step = st.beam.step(log_probs, [b.output_token_ids for b in beams], [b.logprobs for b in beams], eos,
+                            entries)
+        self.stats.generated_tokens += len(step.selected)
+        if step.done:
+            for b in distinct:
+                self.scheduler.finish(b, "stop")
+            st.seqs = distinct
+            return
+        used: set[int] = set()
+        new: list[Sequence] = []
+        for j, (b, _tok, _cum) in enumerate(step.selected):
+            parent = beams[b]
+            if id(parent) in used:  # a second continuation of one beam: a fork sharing its blocks
+                child = self._new_seq(parent.request_id, j, parent.prompt_token_ids, p, parent.prompt, None)
+                child.detokenizer = None
+                child.output_token_ids = list(parent.output_token_ids)
+                child.logprobs = list(parent.logprobs) if parent.logprobs is not None else None
+                self.scheduler.blocks.fork(parent, child)
+                self.scheduler.add_running(child, parent)
+                new.append(child)
+            else:
+                used.add(id(parent))
+                new.append(parent)
+        for j, (seq, (_b, tok, cum)) in enumerate(zip(new, step.selected)):
+            seq.output_token_ids.append(tok)
+            seq.cumulative_logprob = cum
+            seq.index = j
+            if seq.logprobs is not None:
+                seq.logprobs.append(st.beam.last_entries[j])
+        for b in distinct:
+            if id(b) not in used:
+                self.scheduler.finish(b, "pruned")
+        st.beams = new
+        st.seqs = new
 
     def _decoded(self, token: int) -> str | None:
         if self.tokenizer is None:
@@ -277,11 +369,32 @@ class Engine:
                 text = text[: cut + (len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0)]
         return text
 
+    def _beam_output(self, st: RequestState) -> RequestOutput:
+        p = st.params
+        eos = self.eos_token_ids | frozenset(p.stop_token_ids) if not p.ignore_eos else frozenset(p.stop_token_ids)
+        completions = []
+        for i, h in enumerate(st.beam.best(p.n)):
+            text = ""
+            if self.tokenizer is not None:
+                text = self.tokenizer.decode(h.token_ids, skip_special_tokens=p.skip_special_tokens,
+                                             clean_up_tokenization_spaces=False)
+            ended = bool(h.token_ids) and h.token_ids[-1] in eos
+            stop_reason = h.token_ids[-1] if ended and h.token_ids[-1] in p.stop_token_ids else None
+            completions.append(CompletionOutput(
+                index=i, text=text, token_ids=list(h.token_ids), cumulative_logprob=h.cumulative_logprob,
+                logprobs=h.logprobs, finish_reason="stop" if ended else "length", stop_reason=stop_reason))
+        self.requests.pop(st.request_id, None)
+        prompt_lp = st.seqs[0].prompt_logprobs if st.seqs else None
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, True,
+                             prompt_logprobs=list(prompt_lp) if prompt_lp is not None else None)
+
     def _make_output(self, st: RequestState) -> RequestOutput | None:
         kind = st.params.output_kind
         finished = st.finished
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
+        if st.beam is not None:
+            return self._beam_output(st) if finished else None
         seqs = st.seqs
         n = st.params.n
         if len(seqs) > n:  # best_of > n: the n best by cumulative logprob

@@ -134,7 +134,8 @@ class Scheduler:
         return batch
 
     def _decodable(self) -> list[Sequence]:
-        return [s for s in self.running if s is not self.prefilling]
+        # (a beam whose logits are computed waits for its siblings' before it continues)
+        return [s for s in self.running if s is not self.prefilling and s.num_cached < s.num_tokens]
 
     def _schedule_chunk(self) -> ScheduledBatch:
         seq = self.prefilling
@@ -232,8 +233,13 @@ class Scheduler:
                 raise RuntimeError("the KV cache is too small for a single sequence's context")
             self._preempt(victim)
             seqs = self._decodable()[: self.max_decode_batch]
-        if not seqs:  # only the chunked prefill is running
-            return self._schedule_chunk() if self.prefilling is not None else None
+        if not seqs:
+            if self.prefilling is not None:  # only the chunked prefill is running
+                return self._schedule_chunk()
+            if self.waiting:  # beams wait for a preempted sibling that needs the blocks they hold
+                self._preempt(self.running[-1])
+                return self._schedule_prefill()
+            return None
         self.blocks.may_append(seqs)
         longest = max(s.num_tokens for s in seqs)
         bucket = smallest_bucket(self.decode_buckets, len(seqs), longest)
@@ -244,6 +250,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq)
+        seq.pending_logits = None
         if seq is self.prefilling:
             self.prefilling = None
         seq.status = SequenceStatus.WAITING

@@ -37,7 +37,8 @@ class Sequence:
     prompt: str | None = None
     pending_forks: int = 0  # parallel samples still to fork from this sequence after its prefill
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of full blocks (prefix cache)
-    prompt_logprobs: list | None = None  # collected during prefill when params.prompt_logprobs is set
+    prompt_logprobs: list | None = None
+    pending_logits: Any = None  # beam search: this beam's next-token logits, until every beam has them  # collected during prefill when params.prompt_logprobs is set
 
     @property
     def num_tokens(self) -> int:

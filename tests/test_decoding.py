@@ -220,3 +220,85 @@ def test_chunked_prefill_prompt_logprobs(tiny_models, hf_llama):
     for i in range(1, 30):
         assert out.prompt_logprobs[i][prompt[i]].logprob == pytest.approx(float(lp[i - 1, prompt[i]]), abs=1e-9)
     assert out.outputs[0].token_ids == hf_greedy(hf_llama, prompt, 3)
+
+
+BEAM_CASES = [  # (beams, length_penalty, early_stopping, index of the greedy token used as an extra EOS)
+    (2, 1.0, False, None), (4, 1.0, False, 3), (3, 0.5, True, 5), (4, 2.0, "never", 2), (2, -1.0, "never", 1),
+    (4, 1.0, True, 0),
+]
+
+
+def hf_beams(model, prompt, k, n, max_new, length_penalty, early_stopping, eos):
+    out = model.generate(torch.tensor([prompt]), do_sample=False, num_beams=k, num_return_sequences=n,
+                         max_new_tokens=max_new, length_penalty=length_penalty, early_stopping=early_stopping,
+                         eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, output_scores=True)
+    lens = (out.beam_indices >= 0).sum(-1).tolist()
+    return [out.sequences[i, len(prompt):len(prompt) + lens[i]].tolist() for i in range(n)]
+
+
+def beam_params(k, lp, es, extra_eos, n=None, max_tokens=20):
+    return SamplingParams(use_beam_search=True, best_of=k, n=n or k, max_tokens=max_tokens, length_penalty=lp,
+                          early_stopping=es, temperature=0,
+                          stop_token_ids=[extra_eos] if extra_eos is not None else None)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_beam_search_equals_transformers(tiny_models, arch, llama_llm, hf_llama):
+    if arch == "llama":
+        llm, hf = llama_llm, hf_llama
+    else:
+        llm = make_llm(tiny_models[arch], max_seq_len_to_capture=128)
+        hf = AutoModelForCausalLM.from_pretrained(str(tiny_models[arch]), dtype=torch.float64)
+    prompt = PREFIX[:21]
+    greedy = hf_greedy(hf, prompt, 8)
+    for k, lp, es, extra in BEAM_CASES:
+        eos = [2] + ([greedy[extra]] if extra is not None else [])
+        for n in sorted({k, 1}):
+            ours = llm.generate(None, beam_params(k, lp, es, eos[-1] if extra is not None else None, n),
+                                prompt_token_ids=[prompt])[0]
+            ref = hf_beams(hf, prompt, k, n, 20, lp, es, eos)
+            assert [c.token_ids for c in ours.outputs] == ref, (arch, k, lp, es, n)
+            for c in ours.outputs:
+                assert c.finish_reason == ("stop" if c.token_ids[-1] in eos else "length")
+    blocks = llm.engine.scheduler.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+def test_beams_share_prompt_blocks_and_survive_preemption(tiny_models, hf_llama):
+    """Three 4-beam requests at once in a cache too small for all of them: the prompt's KV blocks
+    are stored once per request (every beam's table points at them), beams are preempted and
+    recomputed, and the results still equal transformers'."""
+    from fxcompiler.config import KvCacheSharingAcrossBeamsConfig
+
+    llm = make_llm(tiny_models["llama"], paged_attention_block_size=4, paged_attention_num_blocks=48,
+                   kv_cache_sharing_across_beams_config=KvCacheSharingAcrossBeamsConfig(4, 24))
+    assert all(b.batch_size % 4 == 0 for b in llm.buckets if b.is_decode)
+    steps = []
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def recording(batch):
+        if not batch.is_prefill:
+            steps.append({s.request_id: [] for s in batch.seqs})
+            for s in batch.seqs:
+                steps[-1][s.request_id].append(runner.blocks.block_tables[s.slot, : len(s.prompt_token_ids) // 4]
+                                               .tolist())
+        return execute(batch)
+
+    runner.execute = recording
+    prompts = [PREFIX[:21], PREFIX[10:30], PREFIX[20:45]]
+    outs = llm.generate(None, beam_params(4, 1.0, False, None, max_tokens=24), prompt_token_ids=prompts)
+    for p, o in zip(prompts, outs):
+        assert [c.token_ids for c in o.outputs] == hf_beams(hf_llama, p, 4, 4, 24, 1.0, False, [2])
+    shared = [tables for step in steps for tables in step.values() if len(tables) == 4]
+    assert shared and all(all(t == tables[0] for t in tables) for tables in shared)
+    assert llm.engine.stats.preemptions > 0
+    blocks = llm.engine.scheduler.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
+    for bad in (SamplingParams(max_tokens=4), beam_params(2, 1.0, False, None, max_tokens=4),
+                beam_params(4, 1.0, False, None, max_tokens=30)):
+        with pytest.raises(ValueError, match="kv_cache_sharing_across_beams_config"):
+            llm.generate(None, bad, prompt_token_ids=[prompts[0]])
+    assert not llm.engine.requests
