@@ -14,8 +14,8 @@ precisions and the compiler, not the loader, owns the choice:
   bf16 where they meet the activations (transformers' ``cos.to(x.dtype)``);
 * the RMSNorm variance runs in fp32: ``pow(x, 2) → mean → add eps → rsqrt → mul x`` gets
   its ``x`` upcast, the normalised value is cast back to bf16 before the weight multiply
-  (transformers' ``LlamaRMSNorm``). An already fused ``fxc::rms_norm`` needs nothing: its
-  kernels accumulate in fp32 for bf16 inputs;
+  (transformers' ``LlamaRMSNorm``). An already fused ``fxc::rms_norm`` needs nothing: on
+  bf16 inputs its reference and CPU kernel compute that same sequence, bit for bit;
 * wherever a wide float value meets a bf16 one it is cast down to bf16 first; a float
   factory op (``full``/``arange``/``zeros``/... with ``dtype=float32``) or an int→float
   cast whose every use is such a meeting gets ``dtype=bfloat16`` instead of a cast;

@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <type_traits>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -13,20 +14,32 @@ namespace {
 
 using fxc::Acc;
 
+// fp32/fp64: sum of squares, rsqrt and both multiplies per row in one pass.
+// bf16/fp16 (mean_sq given): transformers' RMSNorm op for op: the mean of the fp32 squares is
+// ATen's own reduction (its summation order, so the variance is bit-equal), then
+// rsqrt(var + eps) in fp32, x * inv rounded to the input dtype, times the weight, rounded.
 template <typename scalar_t>
-void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, int64_t H, double eps) {
+void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, int64_t H, double eps,
+              const float* mean_sq) {
   using acc_t = typename Acc<scalar_t>::type;
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const scalar_t* xr = x + r * H;
       scalar_t* yr = y + r * H;
-      acc_t ss = 0;
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        acc_t ss = 0;
 #pragma omp simd reduction(+ : ss)
-      for (int64_t i = 0; i < H; ++i) ss += static_cast<acc_t>(xr[i]) * static_cast<acc_t>(xr[i]);
-      const acc_t inv = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(H) + static_cast<acc_t>(eps));
+        for (int64_t i = 0; i < H; ++i) ss += xr[i] * xr[i];
+        const acc_t inv = acc_t(1) / std::sqrt(ss / static_cast<acc_t>(H) + static_cast<acc_t>(eps));
 #pragma omp simd
-      for (int64_t i = 0; i < H; ++i)
-        yr[i] = static_cast<scalar_t>(static_cast<acc_t>(w[i]) * (static_cast<acc_t>(xr[i]) * inv));
+        for (int64_t i = 0; i < H; ++i) yr[i] = w[i] * (xr[i] * inv);
+      } else {
+        const float inv = 1.0f / std::sqrt(mean_sq[r] + static_cast<float>(eps));
+#pragma omp simd
+        for (int64_t i = 0; i < H; ++i)
+          yr[i] = static_cast<scalar_t>(static_cast<float>(w[i]) *
+                                        static_cast<float>(static_cast<scalar_t>(static_cast<float>(xr[i]) * inv)));
+      }
     }
   });
 }
@@ -54,8 +67,12 @@ torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps
   auto wc = weight.to(x.scalar_type()).contiguous();
   auto y = torch::empty_like(xc);
   const int64_t H = x.size(-1), rows = H ? xc.numel() / H : 0;
+  torch::Tensor mean_sq;  // reduced precision: [rows] fp32 mean of squares, reduced by ATen
+  if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)
+    mean_sq = xc.view({rows, H}).to(at::kFloat).square().mean(-1).contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fxc_rms_norm", [&] {
-    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, H, eps);
+    rms_rows<scalar_t>(xc.data_ptr<scalar_t>(), wc.data_ptr<scalar_t>(), y.data_ptr<scalar_t>(), rows, H, eps,
+                       mean_sq.defined() ? mean_sq.data_ptr<float>() : nullptr);
   });
   return y;
 }

@@ -1,0 +1,47 @@
+"""The CPU fused kernels on bf16 tensors compute exactly what transformers computes in a bf16
+model (``auto_bfloat16_cast`` relies on it for its teacher-forced agreement)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from backends.cpu import attention
+
+pytestmark = pytest.mark.skipif(not attention.install(), reason="no C++ compiler / AVX2 on this machine")
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=st.integers(1, 3), tokens=st.integers(1, 70), hidden=st.sampled_from([7, 64, 576, 960]),
+       eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**16))
+def test_rms_norm_bf16_is_bit_identical_to_transformers(batch, tokens, hidden, eps, seed):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(batch, tokens, hidden, generator=g) * 4).to(torch.bfloat16)
+    x[..., 0] = 200.0  # an outlier channel, as real hidden states have
+    norm = LlamaRMSNorm(hidden, eps=eps)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(hidden, generator=g) * 2)
+    norm.to(torch.bfloat16)
+    with torch.no_grad():
+        expected = norm(x)
+    got = torch.ops.fxc.rms_norm(x, norm.weight.detach(), eps)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, expected)
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 9), d=st.sampled_from([8, 64]),
+       seed=st.integers(0, 2**16))
+def test_silu_mul_and_rope_bf16_equal_transformers_ops(b, h, s, d, seed):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(b, s, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    assert torch.equal(torch.ops.fxc.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    q, k = (torch.randn(b, h, s, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos, sin = (torch.randn(b, s, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
+    assert torch.equal(torch.ops.fxc.rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), q_ref)
+    assert torch.equal(torch.ops.fxc.rope(k, cos.unsqueeze(1), sin.unsqueeze(1)), k_ref)
