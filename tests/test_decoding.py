@@ -29,9 +29,11 @@ def make_llm(path, **kw):
     return LLM(str(path), dtype="float64", cache_dir=None, **kw)
 
 
-@pytest.mark.parametrize("block_size", [16, 4])
-def test_prefix_reuse_greedy_identical(tiny_models, hf_llama, block_size):
-    llm = make_llm(tiny_models["llama"], paged_attention_block_size=block_size)
+@pytest.mark.parametrize("arch,block_size", [("llama", 16), ("llama", 4), ("mistral", 8), ("gpt2", 4)])
+def test_prefix_reuse_greedy_identical(tiny_models, hf_llama, arch, block_size):
+    llm = make_llm(tiny_models[arch], paged_attention_block_size=block_size)
+    if arch != "llama":
+        hf_llama = AutoModelForCausalLM.from_pretrained(str(tiny_models[arch]), dtype=torch.float64)
     sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     first = llm.generate(None, sp, prompt_token_ids=[PREFIX])[0]
     assert first.outputs[0].token_ids == hf_greedy(hf_llama, PREFIX, 12)
@@ -302,3 +304,36 @@ def test_beams_share_prompt_blocks_and_survive_preemption(tiny_models, hf_llama)
         with pytest.raises(ValueError, match="kv_cache_sharing_across_beams_config"):
             llm.generate(None, bad, prompt_token_ids=[prompts[0]])
     assert not llm.engine.requests
+
+
+def test_seeded_request_independent_of_the_batch(llama_llm):
+    sp = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, max_tokens=12, seed=4242, ignore_eos=True)
+    alone = llama_llm.generate(None, sp, prompt_token_ids=[PREFIX[:17]])[0].outputs[0].token_ids
+    others = [SamplingParams(temperature=t, max_tokens=6 + i % 9, seed=None if i % 2 else i, ignore_eos=True)
+              for i, t in enumerate([0.0, 0.5, 1.0, 1.5] * 8)]
+    prompts = [PREFIX[i % 7:(i % 7) + 5 + i] for i in range(32)]
+    outs = llama_llm.generate(None, others[:16] + [sp] + others[16:], prompt_token_ids=prompts[:16] + [PREFIX[:17]]
+                              + prompts[16:])
+    assert outs[16].outputs[0].token_ids == alone
+
+
+@pytest.mark.slow
+def test_300_requests_three_times_the_cache(tiny_models, hf_llama):
+    """Total KV need ~3x the cache: requests are preempted and recomputed, all finish correct, no block leaks."""
+    llm = make_llm(tiny_models["llama"], paged_attention_block_size=4, paged_attention_num_blocks=301)
+    prompts = [[(i * 13 + j * 7) % 250 + 3 for j in range(4 + i % 12)] for i in range(300)]
+    sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    need = sum(-(-(len(p) + 24) // 4) for p in prompts)
+    assert need >= 3 * 300
+    outs = llm.generate(None, sp, prompt_token_ids=prompts)
+    roomy = make_llm(tiny_models["llama"], paged_attention_block_size=4, enable_prefix_caching=False)
+    refs = roomy.generate(None, sp, prompt_token_ids=prompts)
+    assert roomy.engine.stats.preemptions == 0
+    for i, (p, o, r) in enumerate(zip(prompts, outs, refs)):
+        assert o.finished and o.outputs[0].token_ids == r.outputs[0].token_ids
+        if i % 15 == 0:
+            assert o.outputs[0].token_ids == hf_greedy(hf_llama, p, 24)
+    assert llm.engine.stats.preemptions > 0
+    blocks = llm.engine.scheduler.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
