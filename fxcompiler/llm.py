@@ -202,8 +202,9 @@ class LLM:
             raise _later("parallel pipeline building/compilation", "issue 4, blockwise compilation")
         if artifacts_export_path is not None:
             raise _later("artifacts_export_path", "issue 5, artifacts")
-        if _custom_buckets:
-            raise _later("_custom_buckets", "issue 6, complete decoding")
+        custom = [getattr(b, "bucket", b) for b in _custom_buckets]  # Bucket or BucketWithOutputLogitsSize
+        if not all(isinstance(b, Bucket) for b in custom):
+            raise TypeError("_custom_buckets must hold Bucket objects")
 
         if seed is not None:
             from transformers import set_seed
@@ -241,6 +242,8 @@ class LLM:
             raise ValueError(f"max_prompt_len={max_prompt_len} exceeds max_seq_len_to_capture={max_seq_len_to_capture}")
         policy = bucket_config or DefaultBucketConfig(max_decode_batch=min(256, scheduler_config.max_processing_samples))
         prefill, decode = policy.buckets(prompt_cap, max_seq_len_to_capture)
+        prefill += [b for b in custom if b.is_prefill and b not in prefill]  # furiosa's hidden extra buckets
+        decode += [b for b in custom if b.kv_cache_size == b.attention_size - 1 and b not in decode]
         if kv_cache_sharing_across_beams_config is not None:  # decode buckets hold batch x beam_width rows
             width = kv_cache_sharing_across_beams_config.beam_width
             decode = list(dict.fromkeys(Bucket.decode(b.batch_size * width, b.attention_size) for b in decode))
@@ -260,7 +263,7 @@ class LLM:
             raise ValueError(f"max_prompt_len={max_prompt_len} is larger than the largest prefill bucket "
                              f"({largest_prefill}); the buckets cannot cover it")
         self.prompt_max_seq_len = min(max_prompt_len or largest_prefill, largest_prefill, largest_decode)
-        self.buckets = prefill + decode
+        self.buckets = prefill + decode + [b for b in custom if b not in prefill and b not in decode]
         if self.prefill_chunk_size is not None:  # furiosa's batch-1 chunk buckets (kv = (i-1)*chunk)
             self.buckets += [b for b in chunk_buckets(self.prefill_chunk_size, self.prompt_max_seq_len)
                              if b not in self.buckets]

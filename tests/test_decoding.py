@@ -337,3 +337,14 @@ def test_300_requests_three_times_the_cache(tiny_models, hf_llama):
     blocks = llm.engine.scheduler.blocks
     blocks.check_invariants()
     assert blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+def test_custom_buckets_become_pipelines(tiny_models, hf_llama):
+    extra = [Bucket.prefill(3, 40), Bucket(1, 64, 32), Bucket.decode(3, 128)]
+    llm = make_llm(tiny_models["llama"], max_seq_len_to_capture=128, _custom_buckets=extra)
+    assert set(extra) <= {p.bucket for p in llm.pipelines}
+    assert Bucket.prefill(3, 40) in llm.engine.scheduler.prefill_buckets
+    out = llm.generate(None, SamplingParams(temperature=0, max_tokens=5, ignore_eos=True), prompt_token_ids=[PREFIX])
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_llama, PREFIX, 5)
+    with pytest.raises(TypeError, match="_custom_buckets"):
+        make_llm(tiny_models["llama"], _custom_buckets=[(1, 32)])
