@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +159,13 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        t0 = time.perf_counter()
+        try:
+            return self._step(batch)
+        finally:
+            self.scheduler.note_step_time(batch, time.perf_counter() - t0)
+
+    def _step(self, batch) -> list[RequestOutput]:
         logits = self.runner.execute(batch)
         self._account(batch)
         blocks = self.scheduler.blocks

@@ -21,6 +21,10 @@ log = logging.getLogger("fxcompiler.scheduler")
 
 PREFILL_SMALL_STEP_TOKENS = 256
 PREFILL_LOOKAHEAD = 64
+# While a long prompt is prefilled in chunks, running sequences decode at least this long
+# (relative to the last chunk step's time) between two chunks: chunks take at most about
+# half of the wall time, so decode latency stays within ~2x of its undisturbed value.
+CHUNK_DECODE_RATIO = 1.0
 
 
 @dataclass(slots=True)
@@ -80,7 +84,9 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.prefilling: Sequence | None = None  # the sequence being prefilled chunk by chunk
-        self._chunk_next = True
+        self._last_chunk_s = 0.0  # wall time of the last chunk step (reported by the engine)
+        self._decode_s = 0.0  # decode time since the last chunk step
+        self._decodes = 0  # decode steps since the last chunk step
         self.num_preemptions = 0
         self.num_chunks = 0
 
@@ -121,12 +127,11 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         if self.prefilling is not None:
-            # A long prompt is being prefilled in chunks: alternate its chunks with steps of
-            # everything else, so running sequences keep decoding meanwhile.
-            if self._chunk_next or not self._decodable():
-                self._chunk_next = False
+            # A long prompt is being prefilled in chunks: between two chunks the running
+            # sequences decode (at least one step, and at least as long as a chunk took).
+            if not self._decodable() or (self._decodes >= 1
+                                         and self._decode_s >= CHUNK_DECODE_RATIO * self._last_chunk_s):
                 return self._schedule_chunk()
-            self._chunk_next = True
             return self._schedule_decode()
         batch = self._schedule_prefill()
         if batch is None:
@@ -137,13 +142,20 @@ class Scheduler:
         # (a beam whose logits are computed waits for its siblings' before it continues)
         return [s for s in self.running if s is not self.prefilling and s.num_cached < s.num_tokens]
 
+    def note_step_time(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The engine reports each step's wall time (paces chunks against decodes)."""
+        if batch.is_prefill and len(batch.seqs) == 1 and (batch.is_chunk or batch.bucket.kv_cache_size):
+            self._last_chunk_s = seconds
+        elif not batch.is_prefill:
+            self._decode_s += seconds
+
     def _schedule_chunk(self) -> ScheduledBatch:
+        self._decode_s, self._decodes = 0.0, 0
         seq = self.prefilling
         left = seq.num_tokens - seq.num_cached
         q = min(self.prefill_chunk_size, left)
         if q == left:
             self.prefilling = None  # the last chunk: the sequence decodes from the next step on
-            self._chunk_next = True
         ctx = seq.num_cached
         bucket = Bucket(1, ctx + q, ctx) if ctx else (smallest_bucket(self.prefill_buckets, 1, q)
                                                        or Bucket.prefill(1, q))
@@ -183,7 +195,6 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self._admit(seq)
                 self.prefilling = seq
-                self._chunk_next = False
                 return self._schedule_chunk()
             cand = smallest_bucket(self.prefill_buckets, len(chosen) + 1, max(longest, q))
             if cand is None:
@@ -241,6 +252,7 @@ class Scheduler:
                 return self._schedule_prefill()
             return None
         self.blocks.may_append(seqs)
+        self._decodes += 1
         longest = max(s.num_tokens for s in seqs)
         bucket = smallest_bucket(self.decode_buckets, len(seqs), longest)
         if bucket is None:  # cannot happen: lengths are validated against max_context on admission

@@ -96,3 +96,75 @@ def test_fork_shares_blocks_and_copies_on_write():
         bm.free(s)
     assert bm.num_free_blocks == bm.num_usable_blocks
     bm.check_invariants()
+
+
+# -- property test: random allocate / decode / fork / free with a shadow KV cache ------------------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+OPS = st.lists(st.tuples(st.sampled_from(["new", "decode", "fork", "free"]), st.integers(0, 10 ** 6)),
+               min_size=1, max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(OPS, st.sampled_from([1, 2, 4]), st.booleans())
+def test_block_tables_always_hold_each_sequences_tokens(ops, block_size, caching):
+    """Whatever the interleaving, every live sequence reads back its own tokens through its block
+    table (prefix hits, forks and copy-on-write included), and no block is lost or double-owned."""
+    bm = BlockManager(num_blocks=40, block_size=block_size, max_seqs=12, max_blocks_per_seq=40,
+                      enable_prefix_caching=caching)
+    shadow: dict[int, list] = {}  # block -> token written at each offset (the "KV")
+    live: list[Sequence] = []
+
+    def write(s, start, end):
+        toks = s.all_token_ids()
+        for p in range(start, end):
+            b = int(bm.block_tables[s.slot, p // block_size])
+            shadow.setdefault(b, [None] * block_size)[p % block_size] = toks[p]
+
+    def copies():
+        for src, dst in bm.take_pending_copies():
+            shadow[dst] = list(shadow.get(src, [None] * block_size))
+
+    def check():
+        bm.check_invariants()
+        for s in live:
+            toks = s.all_token_ids()
+            got = [shadow[int(bm.block_tables[s.slot, p // block_size])][p % block_size] for p in range(s.num_cached)]
+            assert got == toks[: s.num_cached]
+
+    for op, r in ops:
+        if op == "new":
+            n = 1 + r % 9
+            s = seq([(r >> (3 * i)) % 3 for i in range(n)], f"s{r}")  # small alphabet: shared prefixes
+            if bm.blocks_to_allocate(s, n) > bm.num_free_blocks or not bm._free_slots:
+                continue
+            bm.allocate(s, n)
+            write(s, s.num_cached, n)
+            s.num_cached = n
+            bm.commit(s)
+            live.append(s)
+        elif op == "decode" and live:
+            s = live[r % len(live)]
+            s.output_token_ids.append(r % 3)
+            if not bm.can_append([s]) or bm.blocks_needed(s.num_tokens) > bm.max_blocks_per_seq:
+                s.output_token_ids.pop()
+                continue
+            bm.may_append([s])
+            copies()
+            write(s, s.num_tokens - 1, s.num_tokens)
+            s.num_cached = s.num_tokens
+            bm.commit(s)
+        elif op == "fork" and live and bm._free_slots:
+            p = live[r % len(live)]
+            c = seq(p.prompt_token_ids, p.request_id)
+            c.output_token_ids = list(p.output_token_ids)
+            bm.fork(p, c)
+            live.append(c)
+        elif op == "free" and live:
+            bm.free(live.pop(r % len(live)))
+        check()
+    for s in live:
+        bm.free(s)
+    bm.check_invariants()
+    assert bm.num_free_blocks == bm.num_usable_blocks

@@ -93,3 +93,61 @@ def test_spare_blocks_ratio_holds_blocks_back():
     without.running[0].output_token_ids.append(0)
     without.add(seq("b", 8))
     assert without.schedule().is_prefill  # the same b is admitted at once without spare blocks
+
+
+def _advance(batch):
+    """What the runner and engine do: tokens computed; a finished prefill or a decode samples one token."""
+    for s, q in zip(batch.seqs, batch.num_new):
+        s.num_cached += q
+        if s.num_cached == s.num_tokens:
+            s.output_token_ids.append(0)
+
+
+def test_chunked_prefill_paced_against_decodes():
+    sch, bm = make(num_blocks=64, block_size=4)
+    sch.prefill_chunk_size = 16
+    a = seq("a", 8)
+    sch.add(a)
+    _advance(sch.schedule())  # a: whole prompt
+    long = seq("long", 60)
+    sch.add(long)
+    kinds = []
+    for _ in range(40):
+        batch = sch.schedule()
+        kinds.append("c" if batch.is_prefill else "d")
+        chunk = batch.is_prefill
+        _advance(batch)
+        sch.note_step_time(batch, 0.3 if chunk else 0.1)  # a chunk takes three decode steps' time
+        if long.num_cached >= 60:
+            break
+    assert kinds == ["c", "d", "d", "d", "c", "d", "d", "d", "c", "d", "d", "d", "c"]
+    assert [s for s in sch.running] == [a, long] and long.output_token_ids == [0]
+    assert sch.num_chunks == 4 and sch.prefilling is None
+    # without timings chunks and decodes alternate
+    sch2, _ = make()
+    sch2.prefill_chunk_size = 16
+    b = seq("b", 8)
+    sch2.add(b)
+    _advance(sch2.schedule())
+    sch2.add(seq("long", 40))
+    kinds = []
+    for _ in range(5):
+        batch = sch2.schedule()
+        kinds.append("c" if batch.is_prefill else "d")
+        _advance(batch)
+    assert kinds == ["c", "d", "c", "d", "c"]
+
+
+def test_prefix_hits_shrink_the_prefill():
+    bm = BlockManager(64, 4, max_seqs=16, max_blocks_per_seq=32, enable_prefix_caching=True)
+    sch = Scheduler(SchedulerConfig(), bm, PREFILL, DECODE)
+    a = seq("a", 30)
+    sch.add(a)
+    batch = sch.schedule()
+    _advance(batch)
+    bm.commit(a)
+    b = Sequence("b", 0, list(range(1, 29)) + [99, 98, 97], SamplingParams(max_tokens=5), 0)
+    sch.add(b)
+    batch = sch.schedule()
+    assert batch.is_prefill and batch.num_new == [31 - 28] and b.num_cached == 28
+    assert batch.bucket == Bucket.prefill(1, 16)
