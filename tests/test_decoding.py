@@ -348,3 +348,34 @@ def test_custom_buckets_become_pipelines(tiny_models, hf_llama):
     assert out[0].outputs[0].token_ids == hf_greedy(hf_llama, PREFIX, 5)
     with pytest.raises(TypeError, match="_custom_buckets"):
         make_llm(tiny_models["llama"], _custom_buckets=[(1, 32)])
+
+
+def test_output_kinds_with_parallel_samples(llama_llm):
+    """DELTA pieces add up to the CUMULATIVE/FINAL_ONLY result for every completion of an n=3 request."""
+    from fxcompiler.sampling_params import RequestOutputKind
+
+    engine = llama_llm.engine
+    results = {}
+    for kind in (RequestOutputKind.CUMULATIVE, RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):
+        sp = SamplingParams(n=3, temperature=1.0, seed=9, max_tokens=7, ignore_eos=True, logprobs=1,
+                            output_kind=kind)
+        engine.add_request(f"kinds-{kind.name}", PREFIX[:10], sp)
+        outs = []
+        while engine.has_unfinished_requests():
+            outs += engine.step()
+        assert outs[-1].finished and all(not o.finished for o in outs[:-1])
+        if kind == RequestOutputKind.FINAL_ONLY:
+            assert len(outs) == 1
+        if kind == RequestOutputKind.DELTA:
+            toks = {i: [] for i in range(3)}
+            lps = {i: [] for i in range(3)}
+            for o in outs:
+                for c in o.outputs:
+                    toks[c.index] += c.token_ids
+                    lps[c.index] += c.logprobs
+            results[kind] = [toks[i] for i in range(3)]
+            assert all(len(lps[i]) == 7 for i in range(3))
+        else:
+            results[kind] = [c.token_ids for c in outs[-1].outputs]
+    assert results[RequestOutputKind.DELTA] == results[RequestOutputKind.CUMULATIVE] \
+        == results[RequestOutputKind.FINAL_ONLY]
