@@ -205,12 +205,11 @@ class Engine:
             seq.output_token_ids.append(token)
             seq.cumulative_logprob += out.logprobs[i]
             if seq.logprobs is not None:
-                entry = {token: Logprob(out.logprobs[i], None, self._decoded(token))}
+                rank = out.ranks[i] if out.ranks is not None else None
+                entry = {token: Logprob(out.logprobs[i], rank, self._decoded(token))}
                 if want_top is not None:
-                    for rank, (tid, lp) in enumerate(want_top[i][: seq.params.logprobs], start=1):
-                        if tid == token:
-                            entry[tid].rank = rank
-                        entry.setdefault(tid, Logprob(lp, rank, self._decoded(tid)))
+                    for r, (tid, lp) in enumerate(want_top[i][: seq.params.logprobs], start=1):
+                        entry.setdefault(tid, Logprob(lp, r, self._decoded(tid)))
                 seq.logprobs.append(entry)
             if seq.detokenizer is not None:
                 seq.detokenizer.push([token])

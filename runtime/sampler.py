@@ -47,6 +47,8 @@ class SamplerOutput:
     logprobs: list[float]
     # per row top-k (token, logprob), only when some row asked for logprobs > 0
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # per row rank of the sampled token (1 = most likely), only when some row asked for logprobs
+    ranks: list[int] | None = None
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
@@ -286,6 +288,12 @@ def _top_logprobs(logp: torch.Tensor, rows: Sequence[SamplingRow]) -> list[list[
     ]
 
 
+def _ranks(logp: torch.Tensor, lps: torch.Tensor, rows: Sequence[SamplingRow]) -> list[int] | None:
+    if not any(row.params.logprobs is not None for row in rows):
+        return None
+    return ((logp > lps[:, None]).sum(dim=-1) + 1).tolist()
+
+
 class Sampler:
     """Picks one token per row from ``logits`` [B, V] with ``B == len(rows)``."""
 
@@ -300,7 +308,7 @@ class Sampler:
         else:
             tokens = x.argmax(dim=-1)
         lps = logp.gather(1, tokens[:, None]).squeeze(1)
-        return SamplerOutput(tokens.tolist(), lps.tolist(), _top_logprobs(logp, rows))
+        return SamplerOutput(tokens.tolist(), lps.tolist(), _top_logprobs(logp, rows), _ranks(logp, lps, rows))
 
     @staticmethod
     def _greedy_fast(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -309,10 +317,10 @@ class Sampler:
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
         x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
         vals, tokens = x.max(dim=-1)
-        if any(r.params.logprobs for r in rows):
+        if any(r.params.logprobs is not None for r in rows):
             logp = torch.log_softmax(x, dim=-1)
             lps = logp.gather(1, tokens[:, None]).squeeze(1)
-            return SamplerOutput(tokens.tolist(), lps.tolist(), _top_logprobs(logp, rows))
+            return SamplerOutput(tokens.tolist(), lps.tolist(), _top_logprobs(logp, rows), _ranks(logp, lps, rows))
         lps = vals - torch.logsumexp(x, dim=-1)
         return SamplerOutput(tokens.tolist(), lps.tolist(), None)
 

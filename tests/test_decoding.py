@@ -91,6 +91,7 @@ def test_parallel_sampling_shares_prompt_blocks(llama_llm, hf_llama):
         assert len(c.token_ids) == 10 and c.finish_reason == "length"
         ref = hf_logprobs(hf_llama, prompt, c.token_ids, 0.8)
         ours = torch.tensor([next(iter(e.values())).logprob for e in c.logprobs], dtype=torch.float64)
+        assert all(next(iter(e.values())).rank >= 1 for e in c.logprobs)
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-9)
         assert c.cumulative_logprob == pytest.approx(float(ref.sum()), abs=1e-8)
     assert stats.copies_on_write - cow == 2  # the prompt was computed once; its last block was copied twice
