@@ -380,3 +380,33 @@ def test_output_kinds_with_parallel_samples(llama_llm):
             results[kind] = [c.token_ids for c in outs[-1].outputs]
     assert results[RequestOutputKind.DELTA] == results[RequestOutputKind.CUMULATIVE] \
         == results[RequestOutputKind.FINAL_ONLY]
+
+
+def test_everything_at_once_under_memory_pressure(tiny_models, hf_llama):
+    """Chunked prefill, prefix reuse, parallel samples, beams and prompt logprobs in one small cache:
+    every result still matches transformers and no block leaks."""
+    llm = make_llm(tiny_models["llama"], paged_attention_block_size=4, paged_attention_num_blocks=32,
+                   prefill_chunk_size=8)
+    long = PREFIX + PREFIX[:20]
+    prompts = [PREFIX[:30], PREFIX[:30] + [7, 7], long, PREFIX[:13], long[:50]]
+    params = [SamplingParams(n=3, temperature=0.7, seed=5, max_tokens=16, ignore_eos=True, logprobs=0),
+              beam_params(3, 1.0, False, None, max_tokens=12),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, prompt_logprobs=1),
+              SamplingParams(n=2, best_of=3, temperature=1.2, max_tokens=10, ignore_eos=True, logprobs=0),
+              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
+    outs = llm.generate(None, params, prompt_token_ids=prompts)
+    for c in outs[0].outputs + outs[3].outputs:
+        temp = 0.7 if c in outs[0].outputs else 1.2
+        prompt = prompts[0] if c in outs[0].outputs else prompts[3]
+        ref = hf_logprobs(hf_llama, prompt, c.token_ids, temp)
+        ours = torch.tensor([next(iter(e.values())).logprob for e in c.logprobs], dtype=torch.float64)
+        torch.testing.assert_close(ours, ref, rtol=0, atol=1e-9)
+    assert [c.token_ids for c in outs[1].outputs] == hf_beams(hf_llama, prompts[1], 3, 3, 12, 1.0, False, [2])
+    assert outs[2].outputs[0].token_ids == hf_greedy(hf_llama, long, 20)
+    assert len(outs[2].prompt_logprobs) == len(long)
+    assert outs[4].outputs[0].token_ids == hf_greedy(hf_llama, long[:50], 20)
+    stats = llm.engine.stats
+    assert stats.preemptions > 0 and stats.prefill_chunks > 0 and stats.prefix_cache_hits > 0
+    blocks = llm.engine.scheduler.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
