@@ -250,8 +250,15 @@ class Engine:
         eos = beams[0].eos_token_ids | frozenset(p.stop_token_ids)
         entries = None
         if p.logprobs is not None:
-            def entries(_beam, tok, lp):
-                return {tok: Logprob(lp, None, self._decoded(tok))}
+            top = torch.topk(log_probs, min(p.logprobs, log_probs.shape[1]), dim=-1) if p.logprobs else None
+
+            def entries(beam, tok, lp):
+                rank = int((log_probs[beam] > lp).sum()) + 1
+                entry = {tok: Logprob(lp, rank, self._decoded(tok))}
+                if top is not None:
+                    for r, (v, t) in enumerate(zip(top.values[beam].tolist(), top.indices[beam].tolist()), start=1):
+                        entry.setdefault(t, Logprob(v, r, self._decoded(t)))
+                return entry
         step = st.beam.step(log_probs, [b.output_token_ids for b in beams], [b.logprobs for b in beams], eos,
                             entries)
         self.stats.generated_tokens += len(step.selected)

@@ -410,3 +410,16 @@ def test_everything_at_once_under_memory_pressure(tiny_models, hf_llama):
     blocks = llm.engine.scheduler.blocks
     blocks.check_invariants()
     assert blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+def test_beam_search_logprobs(llama_llm, hf_llama):
+    prompt = PREFIX[:15]
+    sp = SamplingParams(use_beam_search=True, best_of=3, n=2, max_tokens=8, temperature=0, logprobs=2)
+    out = llama_llm.generate(None, sp, prompt_token_ids=[prompt])[0]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        ref = hf_logprobs(hf_llama, prompt, c.token_ids)
+        for step, (tok, entry) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert entry[tok].logprob == pytest.approx(float(ref[step]), abs=1e-5)  # float32, as beam scores
+            assert entry[tok].rank >= 1 and len(entry) in (2, 3)
+        assert c.cumulative_logprob == pytest.approx(float(ref.sum()), abs=1e-4)
