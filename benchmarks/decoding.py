@@ -13,6 +13,7 @@ Run it alone on the machine: timings of concurrent jobs are meaningless.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -24,8 +25,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from fxcompiler import LLM, SamplingParams  # noqa: E402
-from fxcompiler.models.sources import DEFAULT_MODEL_ID  # noqa: E402
+from fxcompiler import LLM, SamplingParams
+from fxcompiler.models.sources import DEFAULT_MODEL_ID
 
 TEXT = ("The history of computing is a story of abstractions. Early machines were programmed by rewiring, "
         "then by punched cards, then by assembly language, and finally by high-level languages. ") * 200
@@ -82,7 +83,7 @@ def decode_latency(llm, long_len: int, running: int, chunk: int | None) -> dict:
 
     for _ in range(running + 20):  # prefills, then a steady decode phase
         step()
-    base = [b - a for a, b in zip(stamps, stamps[1:])][-10:]
+    base = [b - a for a, b in itertools.pairwise(stamps)][-10:]
     stamps.clear()
     stamps.append(time.perf_counter())
     engine.add_request(f"long-{chunk}", token_block(tok, long_len, 500),
@@ -91,7 +92,7 @@ def decode_latency(llm, long_len: int, running: int, chunk: int | None) -> dict:
         outs = step()
         if any(o.request_id == f"long-{chunk}" and o.finished for o in outs):
             long_done = time.perf_counter()
-    during = [b - a for a, b in zip(stamps, stamps[1:])] + [long_done - stamps[-1]]
+    during = [b - a for a, b in itertools.pairwise(stamps)] + [long_done - stamps[-1]]
     for rid in list(engine.requests):
         engine.abort_request(rid)
     b, d = statistics.mean(base), statistics.mean(during)

@@ -152,7 +152,12 @@ def test_max_tokens_none_fills_the_context(tiny_models):
 def test_chunk_size_arguments():
     import warnings
 
-    from fxcompiler.config import Bucket, SchedulerConfig, chunk_buckets, resolve_prefill_chunk_size
+    from fxcompiler.config import (
+        Bucket,
+        SchedulerConfig,
+        chunk_buckets,
+        resolve_prefill_chunk_size,
+    )
 
     assert resolve_prefill_chunk_size(None, None, None, None) is None
     assert resolve_prefill_chunk_size(64, None, None, None) == 64

@@ -3,6 +3,8 @@ fork and copy-on-write."""
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxcompiler.sampling_params import SamplingParams
 from runtime.block_manager import BlockManager, PagedKVCache
@@ -99,8 +101,6 @@ def test_fork_shares_blocks_and_copies_on_write():
 
 
 # -- property test: random allocate / decode / fork / free with a shadow KV cache ------------------------
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 OPS = st.lists(st.tuples(st.sampled_from(["new", "decode", "fork", "free"]), st.integers(0, 10 ** 6)),
                min_size=1, max_size=60)

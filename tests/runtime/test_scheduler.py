@@ -105,7 +105,7 @@ def _advance(batch):
 
 def test_chunked_prefill_paced_against_decodes(monkeypatch):
     monkeypatch.setattr("runtime.scheduler.CHUNK_DECODE_RATIO", 1.0)
-    sch, bm = make(num_blocks=64, block_size=4)
+    sch, _ = make(num_blocks=64, block_size=4)
     sch.prefill_chunk_size = 16
     a = seq("a", 8)
     sch.add(a)
