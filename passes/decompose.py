@@ -7,9 +7,14 @@ eagerly (the ONNX ``dfg`` and AOTInductor ``edf`` kinds) want core ATen. ``run_d
 cannot be used: it functionalises the whole program, which would turn the in-place KV-cache
 writes of ``fxc::paged_attention`` into copies. So the pass decomposes *per node*: for each
 ``call_function`` node whose op has a table entry, it traces the entry with ``make_fx``
-(symbolic mode, in the export's own fake mode and shape environment, so SymInt shapes stay
-symbolic) on the node's ``meta["val"]`` inputs, and splices the traced subgraph in place of
-the node. Nothing else is touched: placeholders (and their names), ``fxc::*`` ops and every
+(symbolic mode) on fake copies of the node's ``meta["val"]`` inputs and splices the traced
+subgraph in place of the node. The copies live in a fresh fake mode and shape environment,
+one fresh symbol per export symbol (ranges and unifications of equal dims kept): copies of
+a capture share one environment, and a pass that compares a symbolic size with a number can
+specialise a dim there; tracing in it would bake that number into the decomposition. Sizes
+in the subgraph are ``sym_size`` calls on its inputs, so it is generic in every dynamic dim;
+the new nodes' ``meta["val"]`` are then recomputed in the graph's own fake mode. Layers
+repeat, so a trace is reused for nodes with the same op, arguments and input metadata. Nothing else is touched: placeholders (and their names), ``fxc::*`` ops and every
 mutating op are never decomposed. In-place ops that a decomposition emits on a fresh
 intermediate it owns (``mean(...).add_(eps)``) are made out-of-place.
 
@@ -51,9 +56,9 @@ Requires: an ATen graph from :mod:`fxcompiler.capture` with ``meta["val"]`` on n
 tensors of one fake mode with a shape environment).
 Ensures: the same function (the decompositions are the ops' own definitions; fp results may
 differ by rounding for ``layer_norm``); placeholders, the signature and the ``fxc::*`` ops
-are unchanged; every new node has ``meta["val"]``. A node whose decomposition would guard on
-(specialise) a symbolic size, or that fails to trace, is left as it was and counted in
-``info["skipped"]``.
+are unchanged; every new node has ``meta["val"]``; the graph's shape environment is not
+touched by the traces. A node whose decomposition would guard on (specialise) a symbolic
+size, or that fails to trace, is left as it was and counted in ``info["skipped"]``.
 """
 from __future__ import annotations
 
@@ -66,6 +71,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._guards import detect_fake_mode
 from torch.fx import GraphModule, Node
 
 import fxcompiler.ops.fused  # noqa: F401  (defines fxc::rms_norm)
@@ -214,31 +220,90 @@ def _val(x):
     return x.meta.get("val") if isinstance(x, Node) else x
 
 
-def _shape_env_state(mode):
-    env = getattr(mode, "shape_env", None)
-    if env is None:
-        return None
-    return env, list(env.guards), dict(env.replacements), dict(env.var_to_range)
+def _unspecialised(expr, env):
+    """``expr`` with the environment's symbol-to-symbol replacements (the export's unifications of
+    equal dims) applied, but not its symbol-to-number ones: a pass that compared a symbolic size
+    with a number (``shape == other.shape``) may have specialised the shared environment."""
+    if not hasattr(expr, "free_symbols"):
+        return expr
+    reps = {k: v for k, v in env.replacements.items() if not v.is_number}
+    for _ in range(16):
+        new = expr.xreplace(reps)
+        if new == expr:
+            break
+        expr = new
+    return expr
 
 
-def _restore_shape_env(state) -> None:
-    env, guards, replacements, ranges = state
-    env.guards[:] = guards
-    env.replacements.clear()
-    env.replacements.update(replacements)
-    env.var_to_range.clear()
-    env.var_to_range.update(ranges)
+def _hints(env) -> dict:
+    hints = getattr(env, "backed_var_to_val", None)  # torch >= 2.13 (var_to_val is deprecated)
+    return hints if hints is not None else env.var_to_val
 
 
-def _changed(state) -> bool:
-    env, guards, replacements, ranges = state
-    return len(env.guards) != len(guards) or env.replacements != replacements or env.var_to_range != ranges
+def _hint(expr, env) -> int:
+    hints = _hints(env)
+    return int(expr.xreplace({sym: hints[sym] for sym in expr.free_symbols}))
 
 
-def _trace(node: Node, fn: Callable, table: Mapping) -> tuple[GraphModule, list[Node]]:
-    """``fn(*node.args, **node.kwargs)`` traced on the fake inputs; returns the subgraph and the
-    graph nodes its placeholders stand for."""
-    from torch._guards import detect_fake_mode
+class _FreshWorld:
+    """A new fake mode and shape environment for tracing one decomposition: the node's inputs are
+    re-created there with one fresh symbol per (unspecialised) export symbol, so nothing the
+    graph's own environment has learned since export (or learns during the trace) leaks into the
+    decomposition, and any guard the trace needs shows up in a clean environment."""
+
+    def __init__(self, env0):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+        self.env0 = env0
+        self.env = ShapeEnv()
+        self.mode = FakeTensorMode(shape_env=self.env)
+        self.symbols: dict = {}
+
+    def _symbol(self, sym):
+        from torch._dynamo.source import ConstantSource
+        from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+        if sym not in self.symbols:
+            from torch.utils._sympy.numbers import int_oo
+
+            hints = _hints(self.env0)
+            if sym not in hints:
+                raise _Untraceable(f"symbol {sym} has no hint")
+            fresh = self.env.create_symbol(
+                int(hints[sym]), ConstantSource(f"fxc_decompose_{len(self.symbols)}"),
+                dynamic_dim=DimDynamic.DYNAMIC, do_not_specialize_zero_one=True)
+            # the export's range (sizes >= 2, the dims' maxima), unless something narrowed it to one value
+            vr = self.env0.var_to_range.get(sym)
+            lo, hi = (vr.lower, vr.upper) if vr is not None and vr.lower != vr.upper else (2, int_oo)
+            self.env.constrain_symbol_range(fresh, lo, hi)
+            self.symbols[sym] = fresh
+        return self.symbols[sym]
+
+    def symint(self, x):
+        if not isinstance(x, torch.SymInt):
+            return x
+        expr = _unspecialised(x.node._expr, self.env0)
+        if not expr.free_symbols:
+            return int(expr)
+        fresh = expr.xreplace({sym: self._symbol(sym) for sym in expr.free_symbols})
+        return self.env.create_symintnode(fresh, hint=_hint(expr, self.env0))
+
+    def value(self, v):
+        if isinstance(v, torch.Tensor):
+            with self.mode:
+                return torch.empty_strided([self.symint(d) for d in v.shape], [self.symint(d) for d in v.stride()],
+                                           dtype=v.dtype, device=v.device)
+        if isinstance(v, torch.SymInt):
+            return self.symint(v)
+        if isinstance(v, (torch.SymFloat, torch.SymBool)):
+            raise _Untraceable("symbolic float/bool input")
+        return v
+
+
+def _trace(node: Node, fn: Callable, table: Mapping) -> GraphModule:
+    """``fn(*node.args, **node.kwargs)`` traced (make_fx, symbolic) on fresh fake copies of the
+    node's inputs; the subgraph has one placeholder per Node argument, in argument order."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     flat, spec = pytree.tree_flatten((node.args, node.kwargs))
@@ -249,6 +314,8 @@ def _trace(node: Node, fn: Callable, table: Mapping) -> tuple[GraphModule, list[
     mode = detect_fake_mode([v for v in vals if isinstance(v, torch.Tensor)])
     if mode is None or mode.shape_env is None:
         raise _Untraceable("no fake mode with a shape environment on the inputs")
+    world = _FreshWorld(mode.shape_env)
+    fresh = [world.value(v) for v in vals]
 
     def call(*xs):
         leaves = list(flat)
@@ -257,17 +324,23 @@ def _trace(node: Node, fn: Callable, table: Mapping) -> tuple[GraphModule, list[
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         return fn(*args, **kwargs)
 
-    state = _shape_env_state(mode)
     try:
-        with mode:
-            sub = make_fx(call, decomposition_table=dict(table), tracing_mode="symbolic")(*vals)
+        with world.mode:
+            sub = make_fx(call, decomposition_table=dict(table), tracing_mode="symbolic")(*fresh)
     except Exception as exc:
-        _restore_shape_env(state)
         raise _Untraceable(f"trace failed: {exc}") from exc
-    if _changed(state):
-        _restore_shape_env(state)
+    if world.env.guards or world.env.replacements:
         raise _Untraceable("the decomposition guards on a symbolic size")
-    return sub, [flat[i] for i in positions]
+    return sub
+
+
+def _refresh_values(nodes: list[Node], mode) -> None:
+    """Recompute ``meta["val"]`` of spliced nodes in the graph's own fake mode (the trace's values
+    live in the fresh one)."""
+    for n in nodes:
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+        with mode:
+            n.meta["val"] = n.target(*args, **kwargs)
 
 
 def _returns_fresh(node: Node) -> bool:
@@ -302,6 +375,12 @@ def _out_of_place(sub: GraphModule) -> None:
         sub.graph.erase_node(n)
 
 
+def _dim_key(d) -> str:
+    if isinstance(d, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+        return str(_unspecialised(d.node._expr, d.node.shape_env))
+    return str(d)
+
+
 def _signature(node: Node):
     """What a decomposition can depend on: the op, the argument structure and constants, and the
     inputs' (symbolic) shapes, strides, dtypes and devices. Layers repeat, so most nodes share
@@ -313,10 +392,10 @@ def _signature(node: Node):
         if isinstance(a, Node):
             v = a.meta.get("val")
             if isinstance(v, torch.Tensor):
-                part = ("T", tuple(str(d) for d in v.shape), tuple(str(d) for d in v.stride()),
-                        str(v.storage_offset()), v.dtype, str(v.device), v.layout)
+                part = ("T", tuple(_dim_key(d) for d in v.shape), tuple(_dim_key(d) for d in v.stride()),
+                        _dim_key(v.storage_offset()), v.dtype, str(v.device), v.layout)
             elif isinstance(v, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-                part = ("S", type(v).__name__, str(v.node.expr))
+                part = ("S", type(v).__name__, _dim_key(v))
             else:
                 return None
             parts.append((part, first_pos.setdefault(a, i)))
@@ -329,7 +408,7 @@ def _signature(node: Node):
 
 
 def _prepare(node: Node, fn: Callable, table: Mapping) -> GraphModule:
-    sub, _ = _trace(node, fn, table)
+    sub = _trace(node, fn, table)
     _out_of_place(sub)
     sub.graph.eliminate_dead_code()
     return sub
@@ -365,23 +444,25 @@ def _decompose_node(gm: GraphModule, node: Node, fn: Callable, table: Mapping, t
     if len(placeholders) != len(inputs):
         raise _Untraceable("placeholder count mismatch")
     env.update(zip(placeholders, inputs))
+    if any(n.op not in ("placeholder", "output", "call_function") for n in sub.graph.nodes):
+        raise _Untraceable("the decomposition has constants or modules")
+    mode = detect_fake_mode([a.meta.get("val") for a in inputs])
     copy_meta = {k: node.meta[k] for k in ("stack_trace", "nn_module_stack", "source_fn_stack") if k in node.meta}
+    added: list[Node] = []
     with graph.inserting_before(node):
         for n in sub.graph.nodes:
-            if n.op in ("placeholder", "output"):
-                continue
-            if n.op == "get_attr":
-                name = _fresh_attr(gm, n.target)
-                setattr(gm, name, getattr(sub, n.target))
-                new = graph.get_attr(name)
-                new.meta = dict(n.meta)
-            elif n.op == "call_function":
+            if n.op == "call_function":
                 new = graph.node_copy(n, lambda a: env[a])
                 for k, v in copy_meta.items():
                     new.meta.setdefault(k, v)
-            else:
-                raise _Untraceable(f"unexpected {n.op} node in the decomposition")
-            env[n] = new
+                env[n] = new
+                added.append(new)
+    try:
+        _refresh_values(added, mode)
+    except Exception as exc:
+        for n in reversed(added):
+            graph.erase_node(n)
+        raise _Untraceable(f"fake propagation of the decomposition failed: {exc}") from exc
     result = pytree.tree_map(lambda a: env[a] if isinstance(a, Node) else a, out)
     if multi:
         for user in list(node.users):
@@ -390,10 +471,3 @@ def _decompose_node(gm: GraphModule, node: Node, fn: Callable, table: Mapping, t
     else:
         node.replace_all_uses_with(result)
     graph.erase_node(node)
-
-
-def _fresh_attr(gm: GraphModule, base: str) -> str:
-    i = 0
-    while hasattr(gm, f"_decomp_{base}_{i}"):
-        i += 1
-    return f"_decomp_{base}_{i}"

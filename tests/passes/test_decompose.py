@@ -198,3 +198,21 @@ def test_model_rewrite_lm_head_still_sliced_when_logits_slice_follows_weight_lay
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
     assert out.target is aten.mm.default and infos["logits_slice"]["moved"] >= 1
     assert _ops(gm)["aten.index_select.default"] == 1
+
+
+def test_specialisations_left_in_the_shape_env_do_not_leak_into_decompositions():
+    """Copies of a capture share its fake tensors and ShapeEnv, and a pass that compares symbolic
+    sizes with numbers (``shape == other.shape``) can specialise a dim there for good. The
+    decompositions are traced in a fresh environment, so they stay generic in every dim."""
+    from torch._guards import detect_fake_mode
+
+    program = testing.capture_tiny_model(testing.TinyConfig("qwen2", 1, 24, 3, 1, 64, 32))
+    ids = next(n for n in program.graph_module.graph.nodes if n.name == "input_ids")
+    env = detect_fake_mode([ids.meta["val"]]).shape_env
+    tokens = ids.meta["val"].shape[1]
+    assert bool(tokens == 3)  # what a careless pass does: the env now says tokens == 3 (the export example)
+    assert env.replacements  # specialised
+    for bucket in (testing.TestBucket(2, 1, 5, 4), testing.TestBucket(1, 7, 0, 16)):
+        inputs = testing.example_inputs(program, bucket)
+        info = testing.assert_pass_preserves_semantics(get_pass("decompose", model_rewrite=True), program, inputs)
+        assert info["skipped"] == 0
