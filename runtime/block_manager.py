@@ -183,8 +183,14 @@ class BlockManager:
 
     def blocks_to_allocate(self, seq: Sequence, num_tokens: int) -> int:
         """How many blocks admitting ``seq`` with ``num_tokens`` tokens takes from the free pool."""
+        return self.admission(seq, num_tokens)[1]
+
+    def admission(self, seq: Sequence, num_tokens: int) -> tuple[int, int]:
+        """(tokens the prefix cache would provide, blocks taken from the free pool) if ``seq`` were
+        admitted now with ``num_tokens`` tokens (one cache lookup for both)."""
         hits = self._lookup(seq, num_tokens)
-        return self.blocks_needed(num_tokens) - len(hits) + sum(1 for b in hits if self.ref_counts[b] == 0)
+        taken = self.blocks_needed(num_tokens) - len(hits) + sum(1 for b in hits if self.ref_counts[b] == 0)
+        return len(hits) * self.block_size, taken
 
     # -- sequences -----------------------------------------------------------------------------
     def can_allocate(self, num_tokens: int, reserve: int = 0) -> bool:

@@ -179,13 +179,14 @@ class Scheduler:
             if weight + w > room and (chosen or self.running):
                 break
             n = seq.num_tokens
-            q = n - self.blocks.cached_prefix_tokens(seq, n)  # tokens to compute
+            cached, taken = self.blocks.admission(seq, n)
+            q = n - cached  # tokens to compute
             # Reserve the spare blocks for running sequences, and one block per running
             # sequence so admitting prompts does not immediately force preemption.
             # (With nothing running there is nothing to reserve for.)
             reserve = 0 if not self.running and not chosen else \
                 self.spare_blocks + (len(self.running) if not self.config.is_offline else 0)
-            need = self.blocks.blocks_to_allocate(seq, n) + (1 if n % self.blocks.block_size == 0 else 0)
+            need = taken + (1 if n % self.blocks.block_size == 0 else 0)
             if not self.blocks._free_slots or used_blocks + need + reserve > self.blocks.num_free_blocks \
                     or len(self.running) + weight + w > max_seqs:
                 break
