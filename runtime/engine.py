@@ -239,7 +239,7 @@ class Engine:
         p = st.params
         beams = st.beams
         distinct = list(dict.fromkeys(beams))
-        rows = torch.stack([b.pending_logits for b in beams]).to(torch.float32)
+        rows = torch.stack([b.pending_logits for b in beams]).to(device="cpu", dtype=torch.float32)
         log_probs = torch.log_softmax(rows, dim=-1)
         if p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty or p.logit_bias \
                 or p.min_tokens:
