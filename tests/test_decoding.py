@@ -2,6 +2,8 @@
 parallel sampling (n / best_of), prompt logprobs, chunked prefill, beam search."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -26,6 +28,7 @@ def hf_llama(tiny_models):
 
 def make_llm(path, **kw):
     kw.setdefault("max_seq_len_to_capture", 256)
+    kw.setdefault("devices", os.environ.get("FXCOMPILER_TEST_DEVICES"))  # e.g. "cuda" on a GPU machine
     return LLM(str(path), dtype="float64", cache_dir=None, **kw)
 
 
