@@ -157,8 +157,8 @@ class Scheduler:
         if q == left:
             self.prefilling = None  # the last chunk: the sequence decodes from the next step on
         ctx = seq.num_cached
-        bucket = Bucket(1, ctx + q, ctx) if ctx else (smallest_bucket(self.prefill_buckets, 1, q)
-                                                       or Bucket.prefill(1, q))
+        # furiosa's chunk buckets (attention = ctx + chunk, kv = ctx); never padded
+        bucket = Bucket(1, ctx + q, ctx) if ctx else Bucket.prefill(1, q)
         self.num_chunks += 1
         return ScheduledBatch(bucket, [seq], prefill=True, num_new=[q])
 
