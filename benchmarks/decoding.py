@@ -109,11 +109,17 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--model", default=DEFAULT_MODEL_ID)
     ap.add_argument("--max-seq-len", type=int, default=4096)
+    ap.add_argument("--random-weight", action="store_true", help="the config's model with random weights")
+    ap.add_argument("--disable", nargs="*", default=[], help="passes to disable")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model, max_seq_len_to_capture=args.max_seq_len, max_prompt_len=min(2048, args.max_seq_len))
+    llm = LLM(args.model, max_seq_len_to_capture=args.max_seq_len, max_prompt_len=min(2048, args.max_seq_len),
+              use_random_weight=args.random_weight,
+              compiler_config_overrides={"passes": {"disable": args.disable}} if args.disable else None)
     res = {"ttft": ttft(llm, args.prefix, 3),
            "decode_latency": [decode_latency(llm, args.long, args.running, c) for c in (args.chunk, None)]}
+    res["setup"] = {"model": args.model, "threads": args.threads, "chunk": args.chunk, "running": args.running,
+                    "torch": torch.__version__}
     print(json.dumps(res, indent=2))
 
 
