@@ -192,8 +192,6 @@ class LLM:
                             f"{type(kv_cache_sharing_across_beams_config).__name__}")
         self.prefill_chunk_size = resolve_prefill_chunk_size(
             prefill_chunk_size, scheduler_config.prefill_chunk_size, enable_chunked_prefill, max_num_batched_tokens)
-        if do_decompositions_for_model_rewrite:
-            raise _later("do_decompositions_for_model_rewrite", "issue 3, the pass library")
         if comp_supertask_kind in ("dfg", "edf"):
             raise _later(f"comp_supertask_kind={comp_supertask_kind!r}", "issue 4, blockwise compilation")
         if num_blocks_per_supertask != 1:
@@ -277,6 +275,8 @@ class LLM:
             options["auto_bfloat16_cast"] = True
         if embed_all_constants_into_graph:
             options["embed_all_constants_into_graph"] = True
+        if do_decompositions_for_model_rewrite:
+            options["do_decompositions_for_model_rewrite"] = True
         self._captured = capture(loaded.model.to(self._device), block_size=paged_attention_block_size)
         loaded.model = None  # the captured program owns the weights now; passes free what they replace
         gc.collect()  # transformers modules hold reference cycles; free the model before the passes run

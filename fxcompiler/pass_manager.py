@@ -337,8 +337,9 @@ class PassManager:
         return gm
 
 
-DEFAULT_PASSES = ("strip_asserts", "fold_casts", "dce", "fuse_rms_norm", "fuse_silu_mul", "fuse_rope",
-                  "logits_slice", "weight_layout", "fuse_projections", "dce", "constants")
+DEFAULT_PASSES = ("decompose", "strip_asserts", "fold_casts", "dce", "cse", "fuse_rms_norm", "fuse_silu_mul",
+                  "fuse_rope", "auto_bfloat16_cast", "weight_layout", "logits_slice", "fuse_projections",
+                  "lower_cpu_kernels", "dce", "constants")
 
 
 # compiler_config_overrides keys (docs/writing-a-pass.md); the rest of the dict reaches passes as ctx.options

@@ -50,7 +50,7 @@ class FoldCastsPass:
             sv, nv = _val(src), _val(node)
             if sv is None or nv is None or not isinstance(sv, torch.Tensor) or not isinstance(nv, torch.Tensor):
                 continue
-            same = sv.dtype == nv.dtype and sv.device == nv.device and tuple(sv.shape) == tuple(nv.shape)
+            same = sv.dtype == nv.dtype and sv.device == nv.device and _same_shape(sv, nv)
             if node.target in (aten.to.dtype, aten.to.device, aten.to.dtype_layout, aten._to_copy.default) and same:
                 if node.target is aten._to_copy.default and node.kwargs.get("memory_format") is not None:
                     continue
@@ -63,6 +63,14 @@ class FoldCastsPass:
                 gm.graph.erase_node(node)
                 folded += 1
         return PassResult(gm, folded > 0, {"folded": folded})
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Shape equality that never guards: ``==`` on symbolic sizes would record the export
+    example's sizes as facts in the shape environment every copy of the capture shares."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
+
+    return a.dim() == b.dim() and statically_known_true(sym_eq(tuple(a.shape), tuple(b.shape)))
 
 
 @register_pass("dce")

@@ -48,7 +48,6 @@ def test_device_parsing():
     (dict(speculative_model="x", num_speculative_tokens=3), NotImplementedError, "speculative"),
     (dict(comp_supertask_kind="edf"), NotImplementedError, "blockwise"),
     (dict(artifacts_export_path="/tmp/x"), NotImplementedError, "artifacts"),
-    (dict(embed_all_constants_into_graph=True), NotImplementedError, "embed_all_constants_into_graph"),
     (dict(qformat_path="q.yaml"), NotImplementedError, "quantization"),
     (dict(hf_overrides={"a": 1}, config={"b": 2}), ValueError, "hf_overrides"),
 ])

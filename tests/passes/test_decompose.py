@@ -156,7 +156,7 @@ def test_model_rewrite_then_default_pipeline_is_the_fast_graph():
         assert _linear_weights_ok(gm, ctx) == _linear_weights_ok(base_gm, base_ctx) == 7 * 2 + 1 - 2 * (2 + 1)
         assert ops["aten.mm.default"] == base_ops["aten.matmul.default"] and ops["aten.linear.default"] == 0
         assert ops["aten.addmm.default"] == 0 and ops["aten.t.default"] == 0
-        assert ops["aten.permute.default"] == base_ops["aten.transpose.int"]  # q/k/v head transposes only
+        assert ops["aten.permute.default"] == base_ops["aten.permute.default"] + base_ops["aten.transpose.int"]  # heads only
         assert ops["aten.add.Tensor"] == base_ops["aten.add.Tensor"]  # biases: one add per projection
         assert sorted(ctx.params) == sorted(base_ctx.params)  # same fused/transposed weights
         for name, w in ctx.params.items():
