@@ -7,6 +7,8 @@ Peak RSS of fxcompiler alone is measured in a child process.
 
     .venv/bin/python benchmarks/throughput.py            # SmolLM2-135M, fp32, 2 threads
     .venv/bin/python benchmarks/throughput.py --quick    # fewer tokens/requests
+    .venv/bin/python benchmarks/throughput.py --auto-bfloat16-cast   # bf16 vs transformers bf16
+    .venv/bin/python benchmarks/throughput.py --disable lower_cpu_kernels   # without a pass
 """
 from __future__ import annotations
 
@@ -97,11 +99,27 @@ def rss_child(args) -> int:
     from fxcompiler import LLM, SamplingParams
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model)
+    llm = LLM(args.model, **llm_kwargs(args))
     prompts = prompts_of_mixed_length(llm.tokenizer, args.requests, 16, args.max_prompt)
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True))
     print(json.dumps({"peak_rss_mib": peak_rss_mib()}))
     return 0
+
+
+def llm_kwargs(args) -> dict:
+    kw = {}
+    if args.auto_bfloat16_cast:
+        kw["auto_bfloat16_cast"] = True
+    if args.disable:
+        kw["compiler_config_overrides"] = {"passes": {"disable": list(args.disable)}}
+    return kw
+
+
+def child_flags(args) -> list[str]:
+    flags = ["--auto-bfloat16-cast"] if args.auto_bfloat16_cast else []
+    for name in args.disable or ():
+        flags += ["--disable", name]
+    return flags
 
 
 def peak_rss_mib() -> float:
@@ -126,6 +144,10 @@ def main() -> int:
     p.add_argument("--max-prompt", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="32 new tokens, 16 requests, 1 rep")
+    p.add_argument("--auto-bfloat16-cast", action="store_true",
+                   help="fxcompiler with auto_bfloat16_cast=True against transformers in bf16")
+    p.add_argument("--disable", action="append", metavar="PASS", help="disable a default pass (repeatable)")
+    p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child run")
     p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
     args = p.parse_args()
@@ -141,9 +163,10 @@ def main() -> int:
     from fxcompiler.models.sources import resolve_model_source
 
     torch.set_num_threads(args.threads)
-    llm = LLM(args.model)
+    llm = LLM(args.model, **llm_kwargs(args))
     path = model_directory(resolve_model_source(args.model), llm.cache_dir)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    hf_dtype = torch.bfloat16 if args.auto_bfloat16_cast else torch.float32
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=hf_dtype).eval()
     tok = AutoTokenizer.from_pretrained(str(path))
     prompt = tok.decode(tok(TEXT)["input_ids"][:32])
     prompts = prompts_of_mixed_length(tok, args.requests, 16, args.max_prompt)
@@ -151,13 +174,16 @@ def main() -> int:
     hf_r = bench_hf(hf, tok, prompt, prompts, args.new_tokens, args.reps)
     fx_r = bench_fx(llm, prompt, prompts, args.new_tokens, args.reps)
     del hf, llm
-    child = subprocess.run([sys.executable, __file__, "--rss-child", "--model", args.model, "--threads",
-                            str(args.threads), "--new-tokens", str(args.new_tokens), "--requests",
-                            str(args.requests), "--max-prompt", str(args.max_prompt)],
-                           capture_output=True, text=True, check=True)
-    rss = json.loads(child.stdout.strip().splitlines()[-1])["peak_rss_mib"]
+    rss = float("nan")
+    if not args.no_rss:
+        child = subprocess.run([sys.executable, __file__, "--rss-child", "--model", args.model, "--threads",
+                                str(args.threads), "--new-tokens", str(args.new_tokens), "--requests",
+                                str(args.requests), "--max-prompt", str(args.max_prompt), *child_flags(args)],
+                               capture_output=True, text=True, check=True)
+        rss = json.loads(child.stdout.strip().splitlines()[-1])["peak_rss_mib"]
     result = {
-        "model": args.model, "threads": args.threads, "new_tokens": args.new_tokens, "requests": args.requests,
+        "model": args.model, "dtype": str(hf_dtype).removeprefix("torch."), "disabled_passes": args.disable or [],
+        "threads": args.threads, "new_tokens": args.new_tokens, "requests": args.requests,
         "torch": torch.__version__, "transformers": hf_r, "fxcompiler": fx_r, "fxcompiler_peak_rss_mib": rss,
         "ratios": {
             "batch1_decode": fx_r["decode_tok_s"] / hf_r["decode_tok_s"],
