@@ -15,21 +15,11 @@ from fxcompiler.models.loader import model_directory
 from fxcompiler.models.sources import DEFAULT_MODEL_ID, resolve_model_source
 from fxcompiler.pass_manager import get_pass
 
+from .test_smollm2 import PROMPTS, _check_against_hf
+
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "The capital of France is",
-    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-    "def fibonacci(n):",
-    "List three colours:",
-    "Water boils at",
-    ("The theory of relativity, proposed by Albert Einstein in the early twentieth century, changed our "
-     "understanding of space and time. In simple terms, it says that"),
-    "Hello",
-    "Translate to French: I like apples.",
-]
 NEW_TOKENS = 32
-TIE = 1e-4
 SP = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
@@ -47,21 +37,6 @@ def _lowering(llm) -> dict:
 
 def _param_bytes(llm) -> int:
     return sum(t.numel() * t.element_size() for t in llm._build.params.values())
-
-
-def _check_against_hf(hf_model, prompt_ids: list[int], ours: list[int]) -> None:
-    with torch.no_grad():
-        out = hf_model.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=len(ours),
-                                eos_token_id=None, output_scores=True, return_dict_in_generate=True,
-                                pad_token_id=hf_model.config.eos_token_id)
-    ref = out.sequences[0, len(prompt_ids):].tolist()
-    for step, (a, b) in enumerate(zip(ours, ref)):
-        if a != b:
-            top2 = out.scores[step][0].topk(2).values
-            gap = float(top2[0] - top2[1])
-            assert gap < TIE, f"diverged at step {step} ({a} vs {b}) where transformers' top-2 gap is {gap}"
-            return
-    assert ours == ref
 
 
 def test_fp32_lowered_greedy_matches_transformers():
