@@ -120,12 +120,15 @@ def _constants_digest(gm: torch.fx.GraphModule) -> str:
 def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name: str, *, kind: str = "fx",
                     device: str = "cpu", block_size: int = 16, options: dict[str, Any] | None = None,
                     instruments=None, param_file: ParamFileInfo | None = None,
-                    services: dict[str, Any] | None = None) -> BuildResult:
+                    services: dict[str, Any] | None = None,
+                    optimised: tuple[torch.fx.GraphModule, CompileContext] | None = None) -> BuildResult:
+    """One pipeline per bucket. ``optimised``: an already optimised ``(graph, context)`` (e.g. from a
+    compile cache); when given, :func:`optimise` is not called and ``captured`` only names the model."""
     if kind != "fx":
         raise NotImplementedError(f"comp_supertask_kind={kind!r}: only 'fx' supertasks are built so far "
                                   "('dfg' and 'edf' belong to the blockwise-compilation work)")
     t0 = time.perf_counter()
-    gm, ctx = optimise(captured, options, instruments, services)
+    gm, ctx = optimised if optimised is not None else optimise(captured, options, instruments, services)
     blob = DataBlob(DataBlob.content_id("fx", gm.code + _constants_digest(gm)), "fx", gm)
     param_file = param_file or ParamFileInfo("", "memory")
     params = {
