@@ -6,6 +6,7 @@ This is the only module of ``fxcompiler`` that imports ``backends`` and ``runtim
 """
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -14,10 +15,11 @@ from typing import Any
 
 import torch
 
-from .capture import CapturedProgram
+from .capture import ModelGeometry
 from .config import SchedulerConfig
+from .pass_manager import CompileContext
 from .pipeline import Bucket, ParamFileInfo, Pipeline
-from .pipeline_builder import BuildResult, build_pipelines
+from .pipeline_builder import BuildResult, build_pipelines, optimise
 
 log = logging.getLogger("fxcompiler.build")
 
@@ -33,13 +35,13 @@ class KvCachePlan:
     bytes: int
 
 
-def plan_kv_cache(captured: CapturedProgram, *, block_size: int, max_context: int, max_decode_batch: int,
+def plan_kv_cache(geometry: ModelGeometry, *, block_size: int, max_context: int, max_decode_batch: int,
                   max_processing_samples: int, num_blocks: int | None, memory_bytes: int | None) -> KvCachePlan:
     """Size the paged cache: ``num_blocks`` if given, else what fits ``memory_bytes`` (default 1 GiB),
     never more than the largest decode batch at full context needs."""
     from runtime.block_manager import PagedKVCache
 
-    g = captured.geometry
+    g = geometry
     per_block = PagedKVCache.bytes_per_block(g.num_layers, block_size, g.num_kv_heads, g.head_dim, g.dtype)
     max_blocks_per_seq = -(-max_context // block_size)
     if num_blocks is None:
@@ -88,18 +90,109 @@ def pass_services(device: torch.device) -> dict[str, Any]:
     return {"kernel_tuner": LinearAutotuner()}
 
 
-def build(captured: CapturedProgram, model_name: str, buckets: list[Bucket], *, block_size: int,
-          device: torch.device, kind: str, options: dict[str, Any], param_file_path=None,
-          param_saved_format="safetensors") -> BuildResult:
-    """Build one pipeline per bucket from a captured program (params optionally written to a file).
+def backend_fingerprint(device: torch.device) -> dict[str, Any]:
+    """What about the device changes the optimised graph (the lowering pass asks the CPU
+    backend which kernels exist and win): part of the compile-cache key."""
+    if device.type != "cpu":
+        return {"device": str(device)}
+    from backends.cpu import _build
 
-    The pipelines take ownership of ``captured.params``: drop every other reference to the
-    model first, so that passes which re-lay weights out free the originals as they go.
-    """
+    return {"device": "cpu", "isa": _build.detect_isa(), "cpu": _cpu_model()}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+@dataclass
+class ProgramRequest:
+    """Everything that determines the optimised program of a model (the compile-cache key inputs)."""
+
+    source_kind: str
+    model_id: str
+    model_dir: Any  # pathlib.Path of the HF-format directory
+    hf_overrides: dict[str, Any]
+    dtype: torch.dtype | None
+    use_random_weight: bool
+    seed: int | None
+    trust_remote_code: bool
+    block_size: int
+    options: dict[str, Any]
+
+    def cache_key(self, device: torch.device) -> str | None:
+        from .compile_cache import model_files_identity, options_fingerprint, program_key
+
+        opts = options_fingerprint(self.options)
+        if opts is None or self.trust_remote_code:
+            return None
+        files = model_files_identity(self.model_dir)
+        if self.use_random_weight:  # weights come from the seed, not the files
+            files = [f for f in files if f[0].endswith(".json")]
+        return program_key(model_id=self.model_id, source=self.source_kind, files=files,
+                           overrides=json_safe(self.hf_overrides), dtype=str(self.dtype),
+                           random=self.use_random_weight, seed=self.seed if self.use_random_weight else None,
+                           block_size=self.block_size, options=opts, backend=backend_fingerprint(device))
+
+
+def json_safe(value: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def compile_program(request: ProgramRequest, loaded, *, device: torch.device, cache_dir=None,
+                    instruments=None) -> tuple[torch.fx.GraphModule, CompileContext, dict[str, Any]]:
+    """The optimised program of ``loaded`` (a :class:`~fxcompiler.models.loader.LoadedModel`
+    without weights yet): from the compile cache when ``cache_dir`` holds it, else by
+    instantiating the model, exporting it and running the passes (then cached).
+    Returns ``(graph, context, info)``; info says ``compile_cache`` hit/miss/off and timings."""
+    from .capture import capture
+    from .compile_cache import CompileCache
+    from .models.loader import instantiate_model
+
     t0 = time.perf_counter()
-    result = build_pipelines(captured, buckets, model_name, kind=kind, device=str(device), block_size=block_size,
-                             options=options, services=pass_services(device))
-    captured.geometry = result.context.geometry  # passes may change it (auto_bfloat16_cast: a bf16 KV cache)
+    enabled = os.environ.get("FXCOMPILER_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")
+    key = request.cache_key(device) if enabled and cache_dir is not None and instruments is None else None
+    cache = CompileCache(cache_dir) if key is not None else None
+    if cache is not None:
+        hit = cache.load(key)
+        if hit is not None:
+            gm, ctx = hit
+            ctx.options = {**request.options, **pass_services(device)}
+            return gm, ctx, {"compile_cache": "hit", "cache_key": key, "export_seconds": 0.0,
+                             "seconds": time.perf_counter() - t0}
+    instantiate_model(loaded, use_random_weight=request.use_random_weight, dtype=request.dtype, seed=request.seed,
+                      trust_remote_code=request.trust_remote_code)
+    captured = capture(loaded.model.to(device), block_size=request.block_size)
+    loaded.model = None  # the captured program owns the weights now; passes free what they replace
+    gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
+    gm, ctx = optimise(captured, request.options, instruments, pass_services(device))
+    info = {"compile_cache": "miss" if cache is not None else "off", "cache_key": key,
+            "export_seconds": captured.export_seconds}
+    if cache is not None:
+        t1 = time.perf_counter()
+        cache.store(key, gm, ctx, extra={"model_id": request.model_id})
+        info["store_seconds"] = time.perf_counter() - t1
+    info["seconds"] = time.perf_counter() - t0
+    return gm, ctx, info
+
+
+def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str, buckets: list[Bucket], *,
+          block_size: int, device: torch.device, kind: str, options: dict[str, Any], param_file_path=None,
+          param_saved_format="safetensors") -> BuildResult:
+    """Build one pipeline per bucket from an optimised program (params optionally written to a file)."""
+    t0 = time.perf_counter()
+    result = build_pipelines(None, buckets, model_name, kind=kind, device=str(device), block_size=block_size,
+                             options=options, optimised=program)
     if param_file_path is not None:
         info = save_params(result.params, param_file_path, param_saved_format)
         for p in result.pipelines:
@@ -108,7 +201,7 @@ def build(captured: CapturedProgram, model_name: str, buckets: list[Bucket], *, 
     return result
 
 
-def start_engine(captured: CapturedProgram, result: BuildResult, *, prefill_buckets: list[Bucket],
+def start_engine(geometry: ModelGeometry, result: BuildResult, *, prefill_buckets: list[Bucket],
                  decode_buckets: list[Bucket], scheduler_config: SchedulerConfig, kv: KvCachePlan,
                  device: torch.device, tokenizer, eos_token_ids: frozenset[int], max_context: int):
     from backends import get_backend
@@ -126,7 +219,7 @@ def start_engine(captured: CapturedProgram, result: BuildResult, *, prefill_buck
         if key not in compiled:
             compiled[key] = get_backend("fx", device.type)(pipe, result.params, device)
         executables[bucket] = compiled[key]
-    g = captured.geometry
+    g = geometry
     cache = PagedKVCache(g.num_layers, kv.num_blocks, kv.block_size, g.num_kv_heads, g.head_dim, g.dtype, device)
     blocks = BlockManager(kv.num_blocks, kv.block_size, kv.max_seqs, kv.max_blocks_per_seq)
     scheduler = Scheduler(scheduler_config, blocks, prefill_buckets, decode_buckets)

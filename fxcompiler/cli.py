@@ -131,7 +131,8 @@ def cmd_compile(args) -> int:
     seconds = time.perf_counter() - t0
     blobs = {b for p in llm.pipelines for b in p.blobs}
     print(f"model: {llm.model_id}\npipelines: {len(llm.pipelines)} ({llm.pipelines[0].name} ...)\n"
-          f"unique graph blobs: {len(blobs)}\ncapture: {llm._captured.export_seconds:.2f}s, total {seconds:.2f}s")
+          f"unique graph blobs: {len(blobs)}\ncompile cache: {llm.build_info['compile_cache']}, capture: {llm.build_info['export_seconds']:.2f}s, "
+          f"total {seconds:.2f}s")
     for h in llm.pass_history:
         extra = {k: v for k, v in h.items() if k not in ("pass", "modified", "seconds")}
         print(f"  {h['pass']:20s} {h['seconds'] * 1000:8.1f} ms  modified={h['modified']}  {extra}")

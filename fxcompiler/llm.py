@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import gc
 import queue
 import logging
 import os
@@ -17,7 +16,7 @@ import torch
 from .config import (BucketConfig, DefaultBucketConfig, KvCacheSharingAcrossBeamsConfig, LLMBackend, LLMConfig,
                      ManualBucketConfig, MinimalBucketConfig, SchedulerConfig, chunk_buckets,
                      resolve_prefill_chunk_size)
-from .models.loader import load_model, load_tokenizer, parse_dtype
+from .models.loader import load_model_info, load_tokenizer, parse_dtype
 from .models.sources import resolve_model_source
 from .outputs import RequestOutput
 from .pipeline import Bucket, Device, parse_devices
@@ -221,9 +220,8 @@ class LLM:
 
         # -- model, tokenizer ------------------------------------------------------------------------
         source = resolve_model_source(model)
-        loaded = load_model(source, cache_dir=self.cache_dir, hf_overrides=hf_overrides,
-                            use_random_weight=use_random_weight, dtype=dtype, seed=seed,
-                            trust_remote_code=trust_remote_code)
+        loaded = load_model_info(source, cache_dir=self.cache_dir, hf_overrides=hf_overrides,
+                                 trust_remote_code=trust_remote_code)
         self.model_id = source.model_id
         self.model_config = loaded.config
         self.generation_config = loaded.generation_config
@@ -267,8 +265,7 @@ class LLM:
                              if b not in self.buckets]
 
         # -- build ---------------------------------------------------------------------------------
-        from .build import build, plan_kv_cache, start_engine
-        from .capture import capture
+        from .build import ProgramRequest, build, compile_program, plan_kv_cache
 
         options = dict(compiler_config_overrides or {})
         if auto_bfloat16_cast:  # captured in the checkpoint's dtype; the auto_bfloat16_cast pass makes it bf16
@@ -277,26 +274,35 @@ class LLM:
             options["embed_all_constants_into_graph"] = True
         if do_decompositions_for_model_rewrite:
             options["do_decompositions_for_model_rewrite"] = True
-        self._captured = capture(loaded.model.to(self._device), block_size=paged_attention_block_size)
-        loaded.model = None  # the captured program owns the weights now; passes free what they replace
-        gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
+        request = ProgramRequest(source.kind, self.model_id, loaded.model_dir, dict(hf_overrides), dtype,
+                                 use_random_weight, seed, trust_remote_code, paged_attention_block_size, options)
+        gm, ctx, self.build_info = compile_program(request, loaded, device=self._device, cache_dir=self.cache_dir)
+        self.geometry = ctx.geometry  # passes may change it (auto_bfloat16_cast: a bf16 KV cache)
         self._build = build(
-            self._captured, self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
+            (gm, ctx), self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
             kind=self.comp_supertask_kind, options=options, param_file_path=param_file_path,
             param_saved_format=param_saved_format)
         self.pipelines = self._build.pipelines
         self.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in self.pipelines]
         self.kv_cache_plan = plan_kv_cache(
-            self._captured, block_size=paged_attention_block_size, max_context=self.max_seq_len_to_capture,
+            self.geometry, block_size=paged_attention_block_size, max_context=self.max_seq_len_to_capture,
             max_decode_batch=max(b.batch_size for b in decode), max_processing_samples=scheduler_config.max_processing_samples,
             num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes)
         self._eos = self._eos_token_ids()
+        self._prefill_buckets, self._decode_buckets = prefill, decode
+        self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
+
+    def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config) -> None:
+        """Start the engine over the built pipelines (unless ``skip_engine``) and its driver thread."""
+        from .build import start_engine
+
         self.engine = None
         if not skip_engine:
             self.engine = start_engine(
-                self._captured, self._build, prefill_buckets=prefill, decode_buckets=decode,
-                scheduler_config=scheduler_config, kv=self.kv_cache_plan, device=self._device,
-                tokenizer=self.tokenizer, eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
+                self.geometry, self._build, prefill_buckets=self._prefill_buckets,
+                decode_buckets=self._decode_buckets, scheduler_config=self.scheduler_config, kv=self.kv_cache_plan,
+                device=self._device, tokenizer=self.tokenizer, eos_token_ids=self._eos,
+                max_context=self.max_seq_len_to_capture)
             self.engine.configure(enable_prefix_caching=enable_prefix_caching,
                                   prefill_chunk_size=self.prefill_chunk_size,
                                   kv_cache_sharing_across_beams=kv_cache_sharing_across_beams_config)
@@ -305,7 +311,7 @@ class LLM:
         if self.engine is not None:
             from runtime.driver import EngineDriver
 
-            self._driver = EngineDriver(self.engine, scheduler_config.npu_queue_limit, self._lock)
+            self._driver = EngineDriver(self.engine, self.scheduler_config.npu_queue_limit, self._lock)
 
     # -- helpers -------------------------------------------------------------------------------------
     def _eos_token_ids(self) -> frozenset[int]:

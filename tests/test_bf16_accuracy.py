@@ -49,7 +49,7 @@ def compiled_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     """Our graph's logits ``[len(ids), vocab]`` (fp32) for every position, teacher-forced."""
     from runtime.block_manager import PagedKVCache
 
-    g = llm._captured.geometry
+    g = llm.geometry
     bs = llm.kv_cache_plan.block_size
     n = len(ids)
     blocks = -(-n // bs)
@@ -96,7 +96,7 @@ def test_teacher_forced_agreement_and_perplexity(llm, hf_bf16, text_ids):
     ours = compiled_logits(llm, text_ids)
     with torch.inference_mode():
         ref = hf_bf16(torch.tensor([text_ids])).logits[0].float()
-    assert ours.shape == ref.shape == (len(text_ids), llm._captured.geometry.vocab_size)
+    assert ours.shape == ref.shape == (len(text_ids), llm.geometry.vocab_size)
     agreement = (ours.argmax(-1) == ref.argmax(-1)).double().mean().item()
     ppl_ours, ppl_ref = perplexity(ours, text_ids), perplexity(ref, text_ids)
     print(f"\nbf16 teacher-forced over {len(text_ids)} tokens: top-1 agreement {agreement:.4f}, "
@@ -110,7 +110,7 @@ def test_weights_and_cache_are_bf16_and_weight_memory_halves(llm):
     float_params = {k: t for k, t in params.items() if t.is_floating_point()}
     wide = {k for k, t in float_params.items() if t.dtype != torch.bfloat16}
     assert all("inv_freq" in k for k in wide), wide  # only the rotary table stays fp32
-    assert llm._captured.geometry.dtype == torch.bfloat16
+    assert llm.geometry.dtype == torch.bfloat16
     assert llm.engine.runner.kv.k[0].dtype == torch.bfloat16
     assert all(p.tensors["logits"].dtype == "f32" for p in llm.pipelines)
     fp32 = LLM(DEFAULT_MODEL_ID, skip_engine=True)

@@ -46,7 +46,7 @@ def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
 
 @dataclass
 class LoadedModel:
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None until instantiate_model()
     config: Any
     generation_config: Any
     model_id: str
@@ -120,6 +120,54 @@ def load_config(model_dir: Path, hf_overrides: dict[str, Any] | None, trust_remo
     return config
 
 
+def load_model_info(source: ModelSource, *, cache_dir: str | os.PathLike | None,
+                    hf_overrides: dict[str, Any] | None = None, trust_remote_code: bool = False) -> LoadedModel:
+    """Config, generation config and directory of ``source``, without its weights (``model`` is None)."""
+    from transformers import GenerationConfig
+
+    model_dir = model_directory(source, cache_dir)
+    config = load_config(model_dir, hf_overrides, trust_remote_code)
+    try:
+        generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError):
+        generation_config = GenerationConfig.from_model_config(config)
+    return LoadedModel(None, config, generation_config, source.model_id, model_dir)
+
+
+def target_dtype(config, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the model is instantiated in: ``dtype``, else the checkpoint's float dtype, else fp32."""
+    ckpt_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(ckpt_dtype, str):
+        ckpt_dtype = parse_dtype(ckpt_dtype)
+    return dtype or (ckpt_dtype if ckpt_dtype in (torch.float32, torch.bfloat16, torch.float64) else torch.float32)
+
+
+def instantiate_model(info: LoadedModel, *, use_random_weight: bool = False, dtype: torch.dtype | None = None,
+                      seed: int | None = None, trust_remote_code: bool = False) -> LoadedModel:
+    """Fill ``info.model`` with the transformers model (checkpoint weights or seeded random ones)."""
+    from transformers import AutoModelForCausalLM
+
+    config = info.config
+    dtype = target_dtype(config, dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if use_random_weight:
+            gen = torch.random.fork_rng()
+            with gen:
+                torch.manual_seed(0 if seed is None else seed)
+                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=dtype)
+        else:
+            model = _from_private_state_dict(info.model_dir, config, dtype, trust_remote_code)
+            if model is None:
+                model = AutoModelForCausalLM.from_pretrained(
+                    str(info.model_dir), config=config, dtype=dtype, local_files_only=True,
+                    trust_remote_code=trust_remote_code)
+    model = model.to(dtype).eval()
+    model.requires_grad_(False)
+    info.model = model
+    return info
+
+
 def load_model(
     source: ModelSource,
     *,
@@ -131,34 +179,9 @@ def load_model(
     trust_remote_code: bool = False,
 ) -> LoadedModel:
     """Instantiate the transformers causal-LM model for ``source``."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    model_dir = model_directory(source, cache_dir)
-    config = load_config(model_dir, hf_overrides, trust_remote_code)
-    ckpt_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(ckpt_dtype, str):
-        ckpt_dtype = parse_dtype(ckpt_dtype)
-    target_dtype = dtype or (ckpt_dtype if ckpt_dtype in (torch.float32, torch.bfloat16, torch.float64) else torch.float32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if use_random_weight:
-            gen = torch.random.fork_rng()
-            with gen:
-                torch.manual_seed(0 if seed is None else seed)
-                model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code, dtype=target_dtype)
-        else:
-            model = _from_private_state_dict(model_dir, config, target_dtype, trust_remote_code)
-            if model is None:
-                model = AutoModelForCausalLM.from_pretrained(
-                    str(model_dir), config=config, dtype=target_dtype, local_files_only=True,
-                    trust_remote_code=trust_remote_code)
-    model = model.to(target_dtype).eval()
-    model.requires_grad_(False)
-    try:
-        generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError):
-        generation_config = GenerationConfig.from_model_config(config)
-    return LoadedModel(model, config, generation_config, source.model_id, model_dir)
+    info = load_model_info(source, cache_dir=cache_dir, hf_overrides=hf_overrides, trust_remote_code=trust_remote_code)
+    return instantiate_model(info, use_random_weight=use_random_weight, dtype=dtype, seed=seed,
+                             trust_remote_code=trust_remote_code)
 
 
 def _from_private_state_dict(model_dir: Path, config, dtype: torch.dtype, trust_remote_code: bool):

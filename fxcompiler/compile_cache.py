@@ -1,0 +1,217 @@
+"""Compile cache: the optimised program (graph after the pass pipeline + its parameters),
+stored in ``cache_dir/compiled/<key>/`` and keyed by everything that determines it.
+
+A second ``LLM(...)`` with the same model, dtype, overrides, passes, device and
+compiler/torch/transformers versions loads the optimised graph and its (already
+prepacked) parameters instead of loading the checkpoint, exporting and running the
+passes again. The key is computed *before* anything is loaded, from the model files'
+identity (config contents, weight file names, sizes and modification times), so a hit
+costs only reading the parameters back. Options that cannot be fingerprinted (a user
+pass given as a Python object without a ``cache_key``) or that ask to watch the passes
+run (``dump_dir``, ``numeric_check``) bypass the cache.
+
+Entry layout: ``program.json`` (key inputs, input specs, geometry, placeholder signature,
+pass history), ``graph.py`` (see :mod:`fxcompiler.graph_io`), ``constants.safetensors``,
+``params.safetensors``. Entries are written to a temporary directory and renamed, so a
+crash never leaves a half-written entry behind.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import graph_io
+from .capture import InputSpec, ModelGeometry
+from .pass_manager import CompileContext
+
+log = logging.getLogger("fxcompiler.cache")
+
+CACHE_SCHEMA_VERSION = 1
+_PACKAGES = ("fxcompiler", "passes", "backends")
+
+
+@functools.lru_cache(maxsize=1)
+def code_fingerprint() -> str:
+    """Hash of the compiler's own sources (Python and C++): any code change is a new key."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for pkg in _PACKAGES:
+        for path in sorted((root / pkg).rglob("*")):
+            if path.suffix in (".py", ".cpp", ".h") and "__pycache__" not in path.parts:
+                h.update(str(path.relative_to(root)).encode())
+                h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def _json_default(obj: Any) -> Any:
+    key = getattr(obj, "cache_key", None)
+    if isinstance(key, str):
+        return {"cache_key": key}
+    if isinstance(obj, (torch.dtype, torch.device)):
+        return str(obj)
+    if isinstance(obj, (set, frozenset)):
+        return sorted(obj)
+    raise TypeError(f"{type(obj).__name__} cannot be fingerprinted")
+
+
+def options_fingerprint(options: dict[str, Any]) -> str | None:
+    """Canonical JSON of the compiler options, or None when they cannot be fingerprinted."""
+    if options.get("dump_dir") or options.get("numeric_check"):
+        return None
+    try:
+        return json.dumps(options, sort_keys=True, default=_json_default)
+    except (TypeError, ValueError):
+        return None
+
+
+def model_files_identity(model_dir: Path) -> list[list]:
+    """Contents of the small config files and (name, size, mtime) of everything else."""
+    out = []
+    for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
+        st = path.stat()
+        if path.suffix == ".json" and st.st_size < (1 << 20):
+            out.append([path.name, hashlib.sha256(path.read_bytes()).hexdigest()])
+        else:
+            out.append([path.name, st.st_size, st.st_mtime_ns])
+    return out
+
+
+def program_key(**inputs: Any) -> str:
+    """Content key of one optimised program (``inputs`` must be JSON-serialisable)."""
+    import transformers
+
+    full = {"schema": CACHE_SCHEMA_VERSION, "code": code_fingerprint(), "torch": torch.__version__,
+            "transformers": transformers.__version__, **inputs}
+    text = json.dumps(full, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _dedupe(params: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors to store (one per distinct view) and aliases name -> stored name (tied weights)."""
+    stored, aliases, seen = {}, {}, {}
+    for name, t in params.items():
+        view = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+        if view in seen and t.numel():
+            aliases[name] = seen[view]
+            continue
+        seen[view] = name
+        stored[name] = t
+    ptrs: dict[int, int] = {}
+    for t in stored.values():
+        ptrs[t.untyped_storage().data_ptr()] = ptrs.get(t.untyped_storage().data_ptr(), 0) + 1
+    return ({k: (v.detach().clone() if ptrs[v.untyped_storage().data_ptr()] > 1 else v.detach()).contiguous()
+             for k, v in stored.items()}, aliases)
+
+
+def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]:
+    """Write tensors with safetensors (shared views stored once); returns the alias map."""
+    from safetensors.torch import save_file
+
+    stored, aliases = _dedupe(tensors)
+    save_file(stored, str(path))
+    return aliases
+
+
+def load_tensors(path: Path, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+    from .models.safetensors_reader import read_safetensors
+
+    out = read_safetensors(path)
+    for name, target in aliases.items():
+        if target not in out:
+            raise ValueError(f"{path}: alias {name!r} points at missing tensor {target!r}")
+        out[name] = out[target]
+    return out
+
+
+def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext, extra: dict | None = None) -> None:
+    """Write an optimised program to ``directory`` (which must not exist yet)."""
+    directory.mkdir(parents=True)
+    (directory / "graph.py").write_text(graph_io.graph_module_source(gm))
+    constants = graph_io.graph_constants(gm)
+    const_aliases = save_tensors(constants, directory / "constants.safetensors") if constants else {}
+    aliases = save_tensors(ctx.params, directory / "params.safetensors")
+    g = ctx.geometry
+    meta = {
+        "schema": CACHE_SCHEMA_VERSION,
+        "input_specs": [[s.name, s.kind, s.target] for s in ctx.input_specs],
+        "geometry": {"num_layers": g.num_layers, "num_kv_heads": g.num_kv_heads, "head_dim": g.head_dim,
+                     "vocab_size": g.vocab_size, "dtype": str(g.dtype).removeprefix("torch."),
+                     "max_position_embeddings": g.max_position_embeddings},
+        "signature": graph_io.placeholder_signature(gm),
+        "param_aliases": aliases, "constant_aliases": const_aliases, "constants": bool(constants),
+        "graph_meta": {k: v for k, v in gm.meta.items() if k == "fxc_constants"},
+        "history": [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in ctx.history],
+        **(extra or {}),
+    }
+    if isinstance(meta["graph_meta"].get("fxc_constants"), dict):
+        meta["graph_meta"]["fxc_constants"] = sorted(meta["graph_meta"]["fxc_constants"])
+    (directory / "program.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+
+
+def load_program(directory: Path, *, restore_meta: bool = True) -> tuple[torch.fx.GraphModule, CompileContext]:
+    """Read back what :func:`save_program` wrote (``meta['val']`` re-derived unless told not to)."""
+    meta = json.loads((directory / "program.json").read_text())
+    if meta.get("schema") != CACHE_SCHEMA_VERSION:
+        raise ValueError(f"{directory}: program schema {meta.get('schema')} != {CACHE_SCHEMA_VERSION}")
+    constants = load_tensors(directory / "constants.safetensors", meta["constant_aliases"]) if meta["constants"] else {}
+    gm = graph_io.load_graph_module((directory / "graph.py").read_text(), constants)
+    if "fxc_constants" in meta["graph_meta"]:
+        gm.meta["fxc_constants"] = {name: None for name in meta["graph_meta"]["fxc_constants"]}
+    if restore_meta:
+        if meta["signature"] is None:
+            raise ValueError(f"{directory}: the program has no placeholder signature to restore shapes from")
+        graph_io.restore_meta(gm, meta["signature"])
+    params = load_tensors(directory / "params.safetensors", meta["param_aliases"])
+    g = dict(meta["geometry"])
+    g["dtype"] = getattr(torch, g["dtype"])
+    ctx = CompileContext([InputSpec(*s) for s in meta["input_specs"]], params, ModelGeometry(**g),
+                         history=list(meta.get("history", [])))
+    return gm, ctx
+
+
+class CompileCache:
+    """``cache_dir/compiled/<key>/`` entries of optimised programs."""
+
+    def __init__(self, cache_dir: str | os.PathLike):
+        self.root = Path(cache_dir) / "compiled"
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def load(self, key: str) -> tuple[torch.fx.GraphModule, CompileContext] | None:
+        entry = self.path(key)
+        if not (entry / "program.json").is_file():
+            return None
+        t0 = time.perf_counter()
+        try:
+            program = load_program(entry)
+        except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
+            log.warning("compile cache entry %s is unreadable (%s); rebuilding it", entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        log.info("compile cache hit %s (%.2fs)", key, time.perf_counter() - t0)
+        return program
+
+    def store(self, key: str, gm: torch.fx.GraphModule, ctx: CompileContext, extra: dict | None = None) -> None:
+        entry = self.path(key)
+        if entry.exists():
+            return
+        tmp = self.root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+        try:
+            save_program(tmp, gm, ctx, extra)
+            os.replace(tmp, entry)
+        except OSError as exc:
+            if not entry.exists():
+                log.warning("could not write compile cache entry %s: %s", entry, exc)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

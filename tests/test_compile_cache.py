@@ -1,0 +1,130 @@
+"""The compile cache: a second LLM(...) with the same settings loads the optimised program
+instead of exporting and running the passes; anything that changes the program misses."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from fxcompiler import LLM, SamplingParams
+from fxcompiler import testing
+from fxcompiler.compile_cache import CompileCache, load_program
+from fxcompiler.graph_io import graph_constants, graph_module_source, load_graph_module, restore_meta, \
+    placeholder_signature
+from fxcompiler.pipeline_builder import optimise
+
+from .conftest import save_tiny_model
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 9, 3]]
+SP = SamplingParams(max_tokens=12, temperature=0)
+
+
+def _tokens(llm: LLM) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(None, SP, prompt_token_ids=PROMPTS)]
+
+
+def _llm(path, cache, **kw) -> LLM:
+    return LLM(str(path), max_seq_len_to_capture=128, cache_dir=cache, **kw)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("cc") / "llama", "llama")
+
+
+def test_second_build_hits_and_generates_the_same(llama, tmp_path, monkeypatch):
+    first = _llm(llama, tmp_path)
+    assert first.build_info["compile_cache"] == "miss"
+    entry = CompileCache(tmp_path).path(first.build_info["cache_key"])
+    assert {p.name for p in entry.iterdir()} >= {"program.json", "graph.py", "params.safetensors"}
+    expected = _tokens(first)
+
+    import fxcompiler.capture
+
+    def no_export(*a, **k):
+        raise AssertionError("a cache hit must not export the model")
+
+    monkeypatch.setattr(fxcompiler.capture, "capture", no_export)
+    second = _llm(llama, tmp_path)
+    assert second.build_info["compile_cache"] == "hit"
+    assert second.build_info["cache_key"] == first.build_info["cache_key"]
+    assert _tokens(second) == expected
+    assert [h["pass"] for h in second.pass_history] == [h["pass"] for h in first.pass_history]
+
+
+@pytest.mark.parametrize("change", [
+    {"hf_overrides": {"num_hidden_layers": 1}},
+    {"dtype": "float64"},
+    {"paged_attention_block_size": 8},
+    {"compiler_config_overrides": {"passes": {"disable": ["cse"]}}},
+    {"embed_all_constants_into_graph": True},
+])
+def test_what_changes_the_program_changes_the_key(llama, tmp_path, change):
+    base = _llm(llama, tmp_path)
+    other = _llm(llama, tmp_path, **change)
+    assert other.build_info["compile_cache"] == "miss"
+    assert other.build_info["cache_key"] != base.build_info["cache_key"]
+    again = _llm(llama, tmp_path, **change)
+    assert again.build_info["compile_cache"] == "hit"
+    assert _tokens(again) == _tokens(other)
+
+
+def test_uncacheable_options_bypass_the_cache(llama, tmp_path, monkeypatch):
+    def noop(gm, ctx):
+        from fxcompiler.pass_manager import PassResult
+        return PassResult(gm, False)
+
+    llm = _llm(llama, tmp_path, compiler_config_overrides={"passes": {"insert": [noop]}})
+    assert llm.build_info["compile_cache"] == "off"
+    llm = _llm(llama, tmp_path, compiler_config_overrides={"dump_dir": str(tmp_path / "dumps")})
+    assert llm.build_info["compile_cache"] == "off"
+    assert _llm(llama, None).build_info["compile_cache"] == "off"
+    monkeypatch.setenv("FXCOMPILER_COMPILE_CACHE", "0")
+    assert _llm(llama, tmp_path).build_info["compile_cache"] == "off"
+    assert not (tmp_path / "compiled").exists()
+
+
+def test_a_damaged_entry_is_rebuilt(llama, tmp_path):
+    first = _llm(llama, tmp_path)
+    expected = _tokens(first)
+    params = CompileCache(tmp_path).path(first.build_info["cache_key"]) / "params.safetensors"
+    params.write_bytes(params.read_bytes()[: params.stat().st_size // 2])
+    second = _llm(llama, tmp_path)
+    assert second.build_info["compile_cache"] == "miss"
+    assert _tokens(second) == expected
+    assert _llm(llama, tmp_path).build_info["compile_cache"] == "hit"
+
+
+@pytest.mark.parametrize("embed", [False, True])
+def test_graph_code_round_trip(embed):
+    program = testing.capture_tiny_model(testing.TinyConfig("qwen2", 2, 32, 4, 2, 97, 48))
+    gm, ctx = optimise(program, {"embed_all_constants_into_graph": embed})
+    constants = graph_constants(gm)
+    assert bool(constants) == embed
+    loaded = load_graph_module(graph_module_source(gm), constants)
+    def ops(g):  # the tracer emits get_attr nodes at first use, so compare the multiset of nodes
+        return Counter((n.op, str(n.target)) for n in g.graph.nodes if n.op != "get_attr")
+
+    assert ops(loaded) == ops(gm)
+    assert {n.target for n in loaded.graph.nodes if n.op == "get_attr"} == set(constants)
+    inputs = testing.inputs_for_geometry(ctx.geometry, testing.TestBucket(2, 3, 5, 16))
+    want, want_caches = testing.run_program(gm, ctx, inputs)
+    got, got_caches = testing.run_program(loaded, ctx, inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for k in want_caches:
+        torch.testing.assert_close(got_caches[k], want_caches[k], rtol=0, atol=0)
+    restore_meta(loaded, placeholder_signature(gm))
+    out = next(n for n in loaded.graph.nodes if n.op == "output").args[0][0]
+    ref = next(n for n in gm.graph.nodes if n.op == "output").args[0][0]
+    assert out.meta["val"].dtype == ref.meta["val"].dtype
+    assert out.meta["val"].dim() == 2 and out.meta["val"].shape[1] == 97
+
+
+def test_load_program_rejects_other_schema(tmp_path, llama):
+    llm = _llm(llama, tmp_path)
+    entry = CompileCache(tmp_path).path(llm.build_info["cache_key"])
+    meta = entry / "program.json"
+    meta.write_text(meta.read_text().replace('"schema": 1', '"schema": 999'))
+    with pytest.raises(ValueError, match="schema"):
+        load_program(entry)
