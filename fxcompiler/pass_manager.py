@@ -344,7 +344,9 @@ DEFAULT_PASSES = ("decompose", "strip_asserts", "fold_casts", "dce", "cse", "fus
 
 # compiler_config_overrides keys (docs/writing-a-pass.md); the rest of the dict reaches passes as ctx.options
 OVERRIDE_KEYS = ("passes", "dump_dir", "numeric_check", "embed_all_constants_into_graph",
-                 "do_decompositions_for_model_rewrite", "auto_bfloat16_cast")
+                 "do_decompositions_for_model_rewrite", "auto_bfloat16_cast",
+                 # read by the pipeline builder (blockwise compilation), not by passes
+                 "use_blockwise_compile", "num_blocks_per_supertask", "num_blocks_per_pp_stage")
 
 
 def build_pass_list(options: dict[str, Any] | None = None) -> list[Pass]:

@@ -16,8 +16,19 @@ import torch
 
 from .capture import CapturedProgram
 from .pass_manager import CompileContext, PassManager, build_pass_list
-from .pipeline import (Bucket, DataBlob, ParamFileInfo, ParamInfo, ParamValue, Pipeline, SuperTask,
-                       SuperTaskKind, TensorInfo, dtype_name, pipeline_name)
+from .pipeline import (
+    Bucket,
+    DataBlob,
+    ParamFileInfo,
+    ParamInfo,
+    ParamValue,
+    Pipeline,
+    SuperTask,
+    SuperTaskKind,
+    TensorInfo,
+    dtype_name,
+    pipeline_name,
+)
 
 log = logging.getLogger("fxcompiler.build")
 
@@ -31,6 +42,7 @@ class BuildResult:
     context: CompileContext
     seconds: float = 0.0
     pass_seconds: dict[str, float] = field(default_factory=dict)
+    partition: Any = None  # passes.blockwise.BlockwisePartition when built blockwise
 
     @property
     def params(self) -> dict[str, torch.Tensor]:
@@ -129,17 +141,36 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
                                   "('dfg' and 'edf' belong to the blockwise-compilation work)")
     t0 = time.perf_counter()
     gm, ctx = optimised if optimised is not None else optimise(captured, options, instruments, services)
-    blob = DataBlob(DataBlob.content_id("fx", gm.code + _constants_digest(gm)), "fx", gm)
+    options = options or {}
     param_file = param_file or ParamFileInfo("", "memory")
-    params = {
-        s.name: ParamInfo(list(ctx.params[s.target].shape), dtype_name(ctx.params[s.target].dtype),
-                          ParamValue(MEMORY_PARAM_FILE, s.target, s.name))
-        for s in ctx.input_specs if s.kind == "param"
-    }
     user_names = [s.name for s in ctx.input_specs if s.kind == "user"]
     out = next(n for n in reversed(gm.graph.nodes) if n.op == "output").args[0]
     out_val = getattr(out[0] if isinstance(out, (tuple, list)) else out, "meta", {}).get("val")
     logits_dtype = out_val.dtype if isinstance(out_val, torch.Tensor) else ctx.geometry.dtype  # bf16 graphs: fp32
+    partition = _blockwise_partition(gm, ctx, options)
+    if partition is None:
+        blob = DataBlob(DataBlob.content_id("fx", gm.code + _constants_digest(gm)), "fx", gm)
+        blobs = {blob.id: blob}
+        params = {
+            s.name: ParamInfo(list(ctx.params[s.target].shape), dtype_name(ctx.params[s.target].dtype),
+                              ParamValue(MEMORY_PARAM_FILE, s.target, s.name))
+            for s in ctx.input_specs if s.kind == "param"
+        }
+        compute = [SuperTask(SuperTaskKind.FX, [s.name for s in ctx.input_specs], ["logits"], device="0",
+                             data_blob=blob.id)]
+        extra_meta: dict[str, Any] = {}
+    else:
+        blobs = {bid: DataBlob(bid, "fx", g) for bid, g in partition.blobs.items()}
+        params, compute = _blockwise_supertasks(partition, ctx)
+        extra_meta = {"blockwise": {
+            "layer_prefix": partition.layer_prefix, "num_blocks": len(partition.layers),
+            "num_blocks_per_supertask": partition.num_blocks_per_supertask,
+            "supertasks": {str(i + 1): {"part": p.role, "layers": list(p.layers)}
+                           for i, p in enumerate(partition.parts)},
+            "unique_block_blobs": len(partition.block_blobs)}}
+    if options.get("num_blocks_per_pp_stage") is not None:
+        extra_meta["num_blocks_per_pp_stage"] = [int(x) for x in options["num_blocks_per_pp_stage"]]
+    dims = _dim_symbols(gm, ctx) if partition is not None else {}
     pipelines = []
     for bucket in buckets:
         tensors: dict[str, TensorInfo | ParamInfo] = dict(params)
@@ -147,23 +178,105 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
         for spec in ctx.input_specs:
             if spec.kind == "user":
                 tensors[spec.name] = infos[spec.target]
+        if partition is not None:
+            for name, val in partition.intermediates.items():
+                tensors[name] = _intermediate_info(val, dims, bucket)
         tensors["logits"] = TensorInfo([bucket.batch_size, ctx.geometry.vocab_size], dtype_name(logits_dtype))
-        supertasks = {
-            "0": SuperTask(SuperTaskKind.INPUT, [], user_names),
-            "1": SuperTask(SuperTaskKind.FX, [s.name for s in ctx.input_specs], ["logits"], device="0",
-                           data_blob=blob.id),
-            "2": SuperTask(SuperTaskKind.OUTPUT, ["logits"], []),
-        }
+        supertasks = {"0": SuperTask(SuperTaskKind.INPUT, [], user_names)}
+        for i, task in enumerate(compute):
+            supertasks[str(i + 1)] = SuperTask(task.kind, list(task.inputs), list(task.outputs), task.device,
+                                               task.data_blob, dict(task.metadata))
+        supertasks[str(len(compute) + 1)] = SuperTask(SuperTaskKind.OUTPUT, ["logits"], [])
         pipelines.append(Pipeline(
             name=pipeline_name(model_name, bucket), bucket=bucket, devices={"0": device}, tensors=tensors,
-            supertasks=supertasks, blobs={blob.id: blob}, param_files={MEMORY_PARAM_FILE: param_file},
+            supertasks=supertasks, blobs=dict(blobs), param_files={MEMORY_PARAM_FILE: param_file},
             metadata={"output_logits_size": 1, "block_size": block_size,
                       "inputs": {s.name: s.target for s in ctx.input_specs if s.kind == "user"},
-                      "dynamic_dims": ["num_blocks", "block_table[1] <= bucket attention blocks"]},
+                      "dynamic_dims": ["num_blocks", "block_table[1] <= bucket attention blocks"], **extra_meta},
         ))
     seconds = time.perf_counter() - t0
     pass_seconds = {}
     for h in ctx.history:
         pass_seconds[h["pass"]] = pass_seconds.get(h["pass"], 0.0) + h["seconds"]
-    log.info("built %d pipelines (1 blob, %d nodes) in %.2fs", len(pipelines), len(gm.graph.nodes), seconds)
-    return BuildResult(pipelines, gm, ctx, seconds, pass_seconds)
+    log.info("built %d pipelines (%d compute supertasks, %d blobs, %d nodes) in %.2fs", len(pipelines),
+             len(compute), len(blobs), len(gm.graph.nodes), seconds)
+    return BuildResult(pipelines, gm, ctx, seconds, pass_seconds, partition)
+
+
+def _blockwise_partition(gm: torch.fx.GraphModule, ctx: CompileContext, options: dict[str, Any]):
+    """The blockwise partition the options ask for (``use_blockwise_compile``, default on;
+    ``num_blocks_per_supertask``, default 1), or None for one supertask. A graph without a
+    layer structure falls back to one supertask with a warning."""
+    if not options.get("use_blockwise_compile", True):
+        return None
+    from passes.blockwise import BlockwiseError, partition_blockwise
+
+    k = options.get("num_blocks_per_supertask", 1)
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"num_blocks_per_supertask must be a positive int, got {k!r}")
+    try:
+        return partition_blockwise(gm, ctx, num_blocks_per_supertask=k)
+    except BlockwiseError as exc:
+        log.warning("blockwise compilation: %s; building one supertask per pipeline", exc)
+        return None
+
+
+def _blockwise_supertasks(partition, ctx: CompileContext) -> tuple[dict[str, ParamInfo], list[SuperTask]]:
+    """ParamInfos (keyed by the parameter's placeholder name in the optimised graph, bound to
+    the placeholder of the part that reads it) and one fx supertask per part."""
+    by_target = {s.target: s.name for s in ctx.input_specs if s.kind == "param"}
+    params: dict[str, ParamInfo] = {}
+    compute = []
+    for part in partition.parts:
+        names = []
+        for ph, target in part.params:
+            name = by_target[target]
+            value = ctx.params[target]
+            params.setdefault(name, ParamInfo(list(value.shape), dtype_name(value.dtype),
+                                              ParamValue(MEMORY_PARAM_FILE, target, ph)))
+            names.append(name)
+        meta = {"part": part.role, "label": part.label}
+        if part.layers:
+            meta["layers"] = list(part.layers)
+        compute.append(SuperTask(SuperTaskKind.FX, names + list(part.inputs), list(part.outputs), device="0",
+                                 data_blob=part.blob_id, metadata=meta))
+    return params, compute
+
+
+def _dim_symbols(gm: torch.fx.GraphModule, ctx: CompileContext) -> dict:
+    """sympy symbol of each dynamic user-input dim -> its name (batch, tokens, ...)."""
+    where = {"input_ids": ("batch", "tokens"), "block_table": (None, "table_blocks"),
+             "logits_indices": ("logit_rows",), "k_cache_0": ("num_blocks",)}
+    targets = {s.name: s.target for s in ctx.input_specs if s.kind == "user"}
+    dims = {}
+    for n in gm.graph.nodes:
+        if n.op != "placeholder" or targets.get(n.name) not in where:
+            continue
+        val = n.meta.get("val")
+        for size, name in zip(getattr(val, "shape", ()), where[targets[n.name]]):
+            if name is not None and isinstance(size, torch.SymInt):
+                expr = size.node.expr
+                if getattr(expr, "is_Symbol", False):
+                    dims.setdefault(expr, name)
+    return dims
+
+
+def _intermediate_info(val, dims: dict, bucket: Bucket) -> TensorInfo:
+    """TensorInfo of a value crossing supertasks: batch/tokens dims take the bucket's sizes,
+    other dynamic dims stay symbolic strings (``num_blocks``, ``logit_rows``...)."""
+    if not isinstance(val, torch.Tensor):
+        return TensorInfo([], type(val).__name__.lower())
+    concrete = {"batch": bucket.batch_size, "tokens": bucket.input_ids_size}
+    shape: list[int | str] = []
+    for size in val.shape:
+        if not isinstance(size, torch.SymInt):
+            shape.append(int(size))
+            continue
+        import sympy
+
+        expr = size.node.expr
+        subs = {sym: sympy.Integer(concrete[name]) if name in concrete else sympy.Symbol(name)
+                for sym, name in dims.items() if sym in expr.free_symbols}
+        expr = expr.xreplace(subs)
+        shape.append(int(expr) if expr.is_Integer else str(expr))
+    return TensorInfo(shape, dtype_name(val.dtype))
