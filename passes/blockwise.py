@@ -23,10 +23,14 @@ part of its inputs) and a latest part ``l`` (the earliest part of its readers):
 * ``e`` is the embedding and the node reads a non-layer parameter, or its readers sit
   in several parts: the embedding (rotary tables are computed once and passed on);
 * otherwise the values part ``e`` hands to later parts form a minimum vertex cut of the
-  dataflow (each value crossing costs 1), the cut closest to part ``e``: what lies on
-  its far side moves to its readers' part. So the residual ``add`` closes block ``e``
-  while a norm's statistics, the logits selection and the final norm go to the reader,
-  and GPT-2's token + position embeddings are added in the embedding.
+  dataflow (each value crossing costs 1); what lies on its far side moves to its
+  readers' part. After a block, the cut closest to the block: the residual ``add``
+  closes block ``e`` while a norm's statistics, the logits selection and the final norm
+  go to the reader, GPT-2's token + position embeddings are added in the embedding, and
+  a value computed from user inputs alone for one block only moves into that block.
+  Should the first block then differ from the second, the cut after the embedding
+  closest to the readers is tried instead (captured graphs end the embedding with a
+  no-op cast or dropout that the other blocks lack).
 
 Scalar shape nodes (``sym_size`` of an input) are recomputed in every part that uses
 them; other values crossing parts become named intermediate tensors.
@@ -146,6 +150,18 @@ def partition_blockwise(gm: GraphModule, ctx: CompileContext, *, num_blocks_per_
     k = int(num_blocks_per_supertask)
     if k < 1:
         raise ValueError(f"num_blocks_per_supertask must be >= 1, got {num_blocks_per_supertask!r}")
+    first = _partition(gm, ctx, k, embed_cut_near_readers=False)
+    blocks = [p for p in first.parts if p.role == "block"]
+    if len(blocks) < 2 or blocks[0].blob_id == blocks[1].blob_id or len(blocks[1].layers) != k:
+        return first
+    # The first block differs from the second: maybe only by where the embedding ends (a no-op
+    # cast or dropout after the embedding lookup); the cut nearest the readers may fix that.
+    other = _partition(gm, ctx, k, embed_cut_near_readers=True)
+    blocks = [p for p in other.parts if p.role == "block"]
+    return other if blocks[0].blob_id == blocks[1].blob_id else first
+
+
+def _partition(gm: GraphModule, ctx: CompileContext, k: int, embed_cut_near_readers: bool) -> BlockwisePartition:
     graph = gm.graph
     nodes = list(graph.nodes)
     if any(n.op in ("call_module", "call_method") for n in nodes):
@@ -239,13 +255,19 @@ def partition_blockwise(gm: GraphModule, ctx: CompileContext, *, num_blocks_per_
         earliest[n] = e
 
     # Latest part of every node if unpinned nodes went as late as possible.
+    # Unpinned nodes nobody reads (export's metadata asserts) go where their inputs are, last.
+    readerless = {n for n in compute if not n.users and n not in pinned}
     latest: dict[Node, int] = {}
     for n in reversed(compute):
         if n in pinned:
             latest[n] = pinned[n]
             continue
+        if n in readerless:
+            continue
         ups = []
         for u in n.users:
+            if u in readerless:
+                continue
             if u.op == "output":
                 ups.append(head)
             elif u in latest:
@@ -268,20 +290,27 @@ def partition_blockwise(gm: GraphModule, ctx: CompileContext, *, num_blocks_per_
     for n in compute:
         by_earliest.setdefault(earliest[n], []).append(n)
     for p, group in by_earliest.items():
+        group = [n for n in group if n not in readerless]
         movable = [n for n in group if n not in pinned and latest[n] > p]
         if movable:
-            stays |= _producer_side(group, set(movable), earliest, latest, p)
+            stays |= _producer_side(group, set(movable), earliest, latest, p,
+                                    near_readers=p == 0 and embed_cut_near_readers)
 
     part: dict[Node, int] = {}
     for n in reversed(compute):
+        if n in readerless:
+            continue
         e = earliest[n]
-        ups = {head if u.op == "output" else part[u] for u in n.users}
+        ups = {head if u.op == "output" else part[u] for u in n.users if u not in readerless}
         if n in pinned:
             part[n] = pinned[n]
         elif n in stays or latest[n] == e or not ups:
             part[n] = e
         else:
             part[n] = min(ups)
+    for n in compute:
+        if n in readerless:
+            part[n] = max((part[a] for a in n.all_input_nodes if a in part), default=0)
     for n in compute:
         bad = [a.name for a in n.all_input_nodes if a in part and part[a] > part[n]]
         if bad:
@@ -324,10 +353,11 @@ def partition_blockwise(gm: GraphModule, ctx: CompileContext, *, num_blocks_per_
                                "block_blobs": len({q.blob_id for q in parts if q.role == "block"})})
 
 
-def _producer_side(group: list[Node], movable: set[Node], earliest, latest, p: int) -> set[Node]:
+def _producer_side(group: list[Node], movable: set[Node], earliest, latest, p: int, near_readers: bool) -> set[Node]:
     """Which ``movable`` nodes (earliest part ``p``, readers later) stay in part ``p``: the
     source side of a minimum vertex cut between part ``p``'s fixed nodes and the readers in
-    later parts (each node's value costs 1 if it crosses), the cut closest to the source."""
+    later parts (each node's value costs 1 if it crosses): the minimum cut closest to the
+    source, or with ``near_readers`` the one closest to the readers."""
     members = set(group)
     fixed = [n for n in group if n not in movable and latest[n] == p]
     index: dict[Node, int] = {}
@@ -353,7 +383,7 @@ def _producer_side(group: list[Node], movable: set[Node], earliest, latest, p: i
                 edge(2 * i + 1, 2 * index[u], inf)
                 if n in movable:
                     edge(2 * index[u], 2 * i, inf)  # a reader on the source side keeps its input there
-            elif u.op == "output" or (u not in members and earliest.get(u, p) > p) or u in members and latest[u] > p:
+            elif u.op == "output" or (u not in members and u in latest and earliest[u] > p):
                 edge(2 * i + 1, sink, inf)
     # Edmonds-Karp: the flow (values crossing) is small, so a few BFS rounds.
     while True:
@@ -376,8 +406,17 @@ def _producer_side(group: list[Node], movable: set[Node], earliest, latest, p: i
         for a, b in path:
             cap[(a, b)] -= push
             cap[(b, a)] += push
-    reached = set(prev)
-    return {n for n, i in index.items() if n in movable and 2 * i in reached}
+    if not near_readers:  # the cut closest to the source: the rest goes to the readers
+        reached = set(prev)
+        return {n for n, i in index.items() if n in movable and 2 * i in reached}
+    to_sink = {sink}
+    queue = [sink]
+    for b in queue:
+        for a in adj.get(b, ()):
+            if a not in to_sink and cap[(a, b)] > 0:
+                to_sink.add(a)
+                queue.append(a)
+    return {n for n, i in index.items() if n in movable and 2 * i not in to_sink}
 
 
 def _build_part(gm, part_nodes, p, part, scalar, ext, crossing, output_node, final_name, rel, k, layer_of_param):
