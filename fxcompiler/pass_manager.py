@@ -8,6 +8,7 @@ pipeline builder asks :func:`build_pass_list` for the ordered list.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -148,6 +149,19 @@ def get_pass(name: str, **options) -> Pass:
     obj = PASS_REGISTRY[name](**options) if options or isinstance(PASS_REGISTRY[name], type) else PASS_REGISTRY[name]
     if not isinstance(obj, Pass):
         obj = FunctionPass(obj, name)
+    try:  # a registered pass is identified by name, options and source: the compile cache keys on it
+        import hashlib
+        import inspect
+
+        source = hashlib.sha256(inspect.getsource(PASS_REGISTRY[name]).encode()).hexdigest()[:16]
+        key = f"{name}:{json.dumps(options, sort_keys=True)}:{source}"
+    except (TypeError, ValueError, OSError):
+        key = None
+    if key is not None and getattr(obj, "cache_key", key) == key:
+        try:
+            obj.cache_key = key
+        except AttributeError:
+            pass
     return obj
 
 

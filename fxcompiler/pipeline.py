@@ -229,3 +229,39 @@ class Pipeline:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+
+
+def pipeline_from_dict(data: dict, blobs: dict[str, Any] | None = None) -> Pipeline:
+    """Inverse of :meth:`Pipeline.to_dict`; ``blobs`` maps blob ids to loaded graphs.
+
+    Raises ``ValueError`` naming what is missing or malformed."""
+    try:
+        version = data["version"]
+        if str(version).split(".")[0] != PIPELINE_SCHEMA_VERSION.split(".")[0]:
+            raise ValueError(f"pipeline schema {version} is not readable by this fxcompiler "
+                             f"(schema {PIPELINE_SCHEMA_VERSION})")
+        tensors: dict[str, TensorInfo | ParamInfo] = {}
+        for name, t in data["tensors"].items():
+            if t["kind"] == "param":
+                v = t["value"]
+                placements = [tuple(p) for p in v["placements"]] if v.get("placements") is not None else None
+                tensors[name] = ParamInfo(list(t["shape"]), t["dtype"],
+                                          ParamValue(v["param_file"], v["name"], v["name_in_graph"], placements))
+            else:
+                tensors[name] = TensorInfo(list(t["shape"]), t["dtype"])
+        supertasks = {k: SuperTask(SuperTaskKind(t["kind"]), list(t["inputs"]), list(t["outputs"]), t.get("device"),
+                                   t.get("data_blob"), dict(t.get("metadata") or {}))
+                      for k, t in data["supertasks"].items()}
+        loaded = blobs or {}
+        pipe_blobs = {}
+        for k, b in data["blobs"].items():
+            if b["id"] not in loaded and blobs is not None:
+                raise ValueError(f"graph blob {b['id']} is missing")
+            pipe_blobs[k] = DataBlob(b["id"], b["kind"], loaded.get(b["id"]))
+        return Pipeline(
+            name=data["name"], bucket=Bucket(**data["bucket"]), devices=dict(data["devices"]), tensors=tensors,
+            supertasks=supertasks, blobs=pipe_blobs,
+            param_files={k: ParamFileInfo(v["path"], v["format"]) for k, v in data["param_files"].items()},
+            metadata=dict(data.get("metadata") or {}), version=version)
+    except KeyError as exc:
+        raise ValueError(f"pipeline description lacks the field {exc.args[0]!r}") from None
