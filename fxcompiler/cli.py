@@ -1,4 +1,5 @@
-"""``fxcompiler`` command line: ``generate`` and an interactive, streaming ``chat``."""
+"""``fxcompiler`` command line: ``generate``, interactive streaming ``chat``, ``compile`` (passes and dumps),
+``build`` (an artifact directory) and ``inspect`` (an artifact's summary)."""
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,12 @@ def _make_llm(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
-              cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed)
+    if getattr(args, "artifact", None):
+        llm = LLM.load_artifact(args.artifact, devices=args.device, seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR)
+    else:
+        llm = LLM(args.model, devices=args.device, dtype=args.dtype,
+                  max_seq_len_to_capture=args.max_seq_len_to_capture, cache_dir=args.cache_dir or CACHE_DIR,
+                  seed=args.seed)
     print(f"[fxcompiler] {llm!r} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return llm
 
@@ -141,6 +146,83 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        b, a = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCH,ATTENTION (two integers), got {text!r}") from None
+    return b, a
+
+
+def cmd_build(args) -> int:
+    """Build an artifact directory (furiosa-llm build)."""
+    from .config import ManualBucketConfig
+    from .llm import LLM, CACHE_DIR
+
+    if bool(args.prefill_buckets) != bool(args.decode_buckets):
+        raise ValueError("give both -pb/--prefill-bucket and -db/--decode-bucket, or neither")
+    bucket_config = ManualBucketConfig(args.prefill_buckets, args.decode_buckets) if args.prefill_buckets else None
+    t0 = time.perf_counter()
+    llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
+              max_prompt_len=args.max_prompt_len, bucket_config=bucket_config, prefill_chunk_size=args.prefill_chunk_size,
+              comp_supertask_kind=args.comp_supertask_kind, auto_bfloat16_cast=args.auto_bfloat16_cast or None,
+              use_blockwise_compile=not args.no_blockwise_compile,
+              num_blocks_per_supertask=args.num_blocks_per_supertask, param_saved_format=args.param_saved_format,
+              cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
+              artifacts_export_path=args.output)
+    print(f"artifact: {args.output}\nmodel: {llm.model_id}\npipelines: {len(llm.pipelines)}\n"
+          f"compile cache: {llm.build_info['compile_cache']}\nbuilt in {time.perf_counter() - t0:.1f}s")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    """Summarise an artifact: manifest, buckets, graph blobs and their reuse, sizes."""
+    import json
+    from collections import Counter
+    from pathlib import Path
+
+    from .artifacts import read_manifest, verify_files
+
+    root = Path(args.artifact)
+    m = read_manifest(root)
+    if args.verify:
+        verify_files(root, m)
+    if args.json:
+        print(json.dumps(m, indent=1, sort_keys=True))
+        return 0
+    uses: Counter = Counter()
+    for rel in m["pipelines"]:
+        data = json.loads((root / rel).read_text())
+        for task in data["supertasks"].values():
+            if task.get("data_blob"):
+                uses[task["data_blob"]] += 1
+    total = sum(f["size"] for f in m["files"].values())
+    v = m["versions"]
+    print(f"artifact {root}  (schema {m['schema_version']}, fxcompiler {v['fxcompiler']}, torch {v['torch']}, "
+          f"transformers {v['transformers']})")
+    print(f"model: {m['model']['id']} ({m['model']['architecture']}), built {m['created']} on "
+          f"{m['host']['machine']}/{m['host']['isa']}")
+    g = m["geometry"]
+    print(f"geometry: {g['num_layers']} layers, {g['num_kv_heads']} KV heads x {g['head_dim']}, vocab {g['vocab_size']}, "
+          f"{g['dtype']}")
+    st = m["settings"]
+    print(f"buckets: {len(m['buckets']['prefill'])} prefill, {len(m['buckets']['decode'])} decode, "
+          f"{len(m['buckets']['all'])} pipelines; max_seq_len_to_capture {st['max_seq_len_to_capture']}, "
+          f"block size {st['block_size']}, prefill chunk {st.get('prefill_chunk_size')}")
+    print(f"supertask kind: {', '.join(m['supertask_kind'])}; blockwise: {st.get('use_blockwise_compile')} "
+          f"({st.get('num_blocks_per_supertask')} block(s) per supertask)")
+    print(f"graph blobs: {len(m['graphs'])} unique, {sum(uses.values())} supertask uses")
+    for blob_id, entry in sorted(m["graphs"].items()):
+        size = m["files"][entry["code"]]["size"]
+        print(f"  {blob_id}  {entry['kind']}  used {uses[blob_id]}x  {size / 1024:.1f} KiB code"
+              + ("  + constants" if entry.get("constants") else ""))
+    print(f"params: {m['params']['file']} ({m['params']['format']}), {m['params']['bytes'] / 2**20:.1f} MiB on device "
+          f"{', '.join(m['parallel']['devices'])}")
+    print(f"passes: {' -> '.join(p['pass'] for p in m['passes'])}")
+    print(f"files: {len(m['files'])}, {total / 2**20:.1f} MiB")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxcompiler", description="fxcompiler: LLM inference as a graph compiler")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -149,16 +231,40 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(g, 64)
     g.add_argument("--prompt", "-p", action="append", help="prompt (repeatable); default: a few demo prompts")
     g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat turn")
+    g.add_argument("--artifact", default=None, help="load this artifact directory instead of building --model")
     g.set_defaults(func=cmd_generate)
     k = sub.add_parser("compile", help="build the pipelines without an engine (and dump every pass)")
     _add_model_args(k)
     k.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (same as --model)")
     k.add_argument("--dump-dir", default=None, help="write before/after code, DOT and op diffs per pass here")
     k.set_defaults(func=cmd_compile)
+    b = sub.add_parser("build", help="build an artifact directory (load it with LLM.load_artifact)")
+    _add_model_args(b)
+    b.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
+    b.add_argument("output", metavar="OUT", help="artifact directory to create (must not exist or be empty)")
+    b.add_argument("-pb", "--prefill-bucket", dest="prefill_buckets", type=_pair, action="append", default=[],
+                   metavar="BATCH,ATTN", help="a prefill bucket (repeatable); default: the automatic bucket ladder")
+    b.add_argument("-db", "--decode-bucket", dest="decode_buckets", type=_pair, action="append", default=[],
+                   metavar="BATCH,ATTN", help="a decode bucket (repeatable)")
+    b.add_argument("--max-prompt-len", type=int, default=None)
+    b.add_argument("--prefill-chunk-size", type=int, default=None)
+    b.add_argument("--comp-supertask-kind", choices=["fx", "dfg", "edf"], default=None)
+    b.add_argument("--auto-bfloat16-cast", action="store_true", help="bf16 weights, compute and KV cache")
+    b.add_argument("--no-blockwise-compile", action="store_true", help="one supertask per pipeline")
+    b.add_argument("--num-blocks-per-supertask", type=int, default=1)
+    b.add_argument("--param-saved-format", choices=["safetensors", "pt"], default="safetensors")
+    b.set_defaults(func=cmd_build)
+    i = sub.add_parser("inspect", help="summarise an artifact (manifest, buckets, blobs, sizes)")
+    i.add_argument("artifact", metavar="ARTIFACT")
+    i.add_argument("--verify", action="store_true", help="also check every file's size and sha256")
+    i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    i.add_argument("-v", "--verbose", action="store_true")
+    i.set_defaults(func=cmd_inspect)
     c = sub.add_parser("chat", help="interactive chat with streaming output")
     _add_model_args(c)
     _add_sampling_args(c, 256)
     c.add_argument("--system", default=None, help="system prompt")
+    c.add_argument("--artifact", default=None, help="load this artifact directory instead of building --model")
     c.set_defaults(func=cmd_chat)
     return parser
 

@@ -193,12 +193,8 @@ class LLM:
             prefill_chunk_size, scheduler_config.prefill_chunk_size, enable_chunked_prefill, max_num_batched_tokens)
         if comp_supertask_kind in ("dfg", "edf"):
             raise _later(f"comp_supertask_kind={comp_supertask_kind!r}", "issue 4, blockwise compilation")
-        if num_blocks_per_supertask != 1:
-            raise _later("num_blocks_per_supertask > 1", "issue 4, blockwise compilation")
         if num_pipeline_builder_workers != 1 or num_compile_workers != 1:
             raise _later("parallel pipeline building/compilation", "issue 4, blockwise compilation")
-        if artifacts_export_path is not None:
-            raise _later("artifacts_export_path", "issue 5, artifacts")
         custom = [getattr(b, "bucket", b) for b in _custom_buckets]  # Bucket or BucketWithOutputLogitsSize
         if not all(isinstance(b, Bucket) for b in custom):
             raise TypeError("_custom_buckets must hold Bucket objects")
@@ -278,9 +274,14 @@ class LLM:
                                  use_random_weight, seed, trust_remote_code, paged_attention_block_size, options)
         gm, ctx, self.build_info = compile_program(request, loaded, device=self._device, cache_dir=self.cache_dir)
         self.geometry = ctx.geometry  # passes may change it (auto_bfloat16_cast: a bf16 KV cache)
+        if not isinstance(use_blockwise_compile, bool):
+            raise TypeError(f"use_blockwise_compile must be a bool, got {use_blockwise_compile!r}")
+        self.num_blocks_per_supertask = num_blocks_per_supertask
+        build_options = {**options, "use_blockwise_compile": use_blockwise_compile,
+                         "num_blocks_per_supertask": num_blocks_per_supertask}
         self._build = build(
             (gm, ctx), self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
-            kind=self.comp_supertask_kind, options=options, param_file_path=param_file_path,
+            kind=self.comp_supertask_kind, options=build_options, param_file_path=param_file_path,
             param_saved_format=param_saved_format)
         self.pipelines = self._build.pipelines
         self.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in self.pipelines]
@@ -290,7 +291,27 @@ class LLM:
             num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes)
         self._eos = self._eos_token_ids()
         self._prefill_buckets, self._decode_buckets = prefill, decode
+        self.paged_attention_block_size = paged_attention_block_size
+        if artifacts_export_path is not None:
+            self._export_artifact(artifacts_export_path, param_saved_format)
         self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
+
+    def _export_artifact(self, path, param_saved_format: str = "safetensors"):
+        from .artifacts import ArtifactContents, export_artifact
+
+        settings = {
+            "block_size": self.paged_attention_block_size, "max_seq_len_to_capture": self.max_seq_len_to_capture,
+            "prompt_max_seq_len": self.prompt_max_seq_len, "prefill_chunk_size": self.prefill_chunk_size,
+            "prefill_buckets": [[b.batch_size, b.attention_size, b.kv_cache_size] for b in self._prefill_buckets],
+            "decode_buckets": [[b.batch_size, b.attention_size, b.kv_cache_size] for b in self._decode_buckets],
+            "comp_supertask_kind": self.comp_supertask_kind, "use_blockwise_compile": self.use_blockwise_compile,
+            "num_blocks_per_supertask": self.num_blocks_per_supertask,
+            "eos_token_ids": sorted(self._eos), "compile_cache_key": self.build_info.get("cache_key"),
+        }
+        passes = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in self.pass_history]
+        contents = ArtifactContents(self.model_id, self.model_config, self.generation_config, self.tokenizer,
+                                    self.pipelines, self._build.params, self.geometry, settings, passes)
+        return export_artifact(contents, path, param_saved_format=param_saved_format)
 
     def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config) -> None:
         """Start the engine over the built pipelines (unless ``skip_engine``) and its driver thread."""
@@ -494,7 +515,7 @@ class LLM:
                     engine.abort_request(rid)
             self._pending.pop(rid, None)
 
-    # -- artifacts (issue 5) ---------------------------------------------------------------------
+    # -- artifacts ---------------------------------------------------------------------------------
     @classmethod
     def load_artifact(cls, model_id_or_path, *, revision=None, devices=None, data_parallel_size=None,
                       pipeline_parallel_size=None, num_blocks_per_pp_stage=None, bucket_config=None,
@@ -502,7 +523,23 @@ class LLM:
                       speculative_draft_pipeline_parallel_size=None, speculative_draft_num_blocks_per_pp_stage=None,
                       skip_speculative_model_load=False, tokenizer=None, tokenizer_mode="auto", seed=None,
                       cache_dir=CACHE_DIR, skip_engine=False, **kwargs) -> "LLM":
-        raise _later("LLM.load_artifact", "issue 5, artifacts")
+        """Load an artifact directory written by ``LLM(..., artifacts_export_path=...)`` or
+        ``fxcompiler build``: no export, no passes, no checkpoint; ``bucket_config`` may select
+        a subset of the built buckets."""
+        if revision is not None:
+            raise ValueError(f"revision={revision!r}: artifacts are loaded from local directories only "
+                             "(nothing is downloaded from a hub)")
+        if not isinstance(skip_speculative_model_load, bool):
+            raise TypeError("skip_speculative_model_load must be a bool")
+        if any(v is not None for v in (speculative_model, speculative_draft_data_parallel_size,
+                                       speculative_draft_pipeline_parallel_size,
+                                       speculative_draft_num_blocks_per_pp_stage)):
+            raise _later("speculative decoding", "speculative-decoding issue")
+        return cls._load_artifact_dir(
+            model_id_or_path, devices=devices, data_parallel_size=data_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, num_blocks_per_pp_stage=num_blocks_per_pp_stage,
+            bucket_config=bucket_config, scheduler_config=scheduler_config, tokenizer=tokenizer,
+            tokenizer_mode=tokenizer_mode, seed=seed, cache_dir=cache_dir, skip_engine=skip_engine, **kwargs)
 
     @classmethod
     def load_artifacts(cls, path, **kwargs) -> "LLM":
@@ -516,7 +553,127 @@ class LLM:
                        tokenizer=None, tokenizer_mode="auto", seed=None, devices=None, cache_dir=CACHE_DIR,
                        backend=None, paged_attention_num_blocks=None, scheduler_config=None,
                        packing_type="IDENTITY", skip_engine=False, *, _cleanup=True, **kwargs) -> "LLM":
-        raise _later("LLM.from_artifacts", "issue 5, artifacts")
+        """furiosa's older loader of the same artifact directory (see :meth:`load_artifact`)."""
+        if packing_type != "IDENTITY":
+            raise ValueError(f"packing_type must be 'IDENTITY', got {packing_type!r}")
+        if not isinstance(use_speculative_decoding_if_possible, bool):
+            raise TypeError("use_speculative_decoding_if_possible must be a bool")
+        if any(v is not None for v in (speculative_model, num_speculative_tokens, speculative_model_bucket_config)):
+            raise _later("speculative decoding", "speculative-decoding issue")
+        return cls._load_artifact_dir(
+            path, devices=devices, data_parallel_size=data_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            num_blocks_per_pp_stage=num_blocks_per_pp_stage, bucket_config=bucket_config,
+            scheduler_config=scheduler_config, tokenizer=tokenizer, tokenizer_mode=tokenizer_mode, seed=seed,
+            cache_dir=cache_dir, skip_engine=skip_engine, backend=backend,
+            paged_attention_num_blocks=paged_attention_num_blocks, **kwargs)
+
+    @classmethod
+    def _load_artifact_dir(cls, path, *, devices, data_parallel_size, pipeline_parallel_size, num_blocks_per_pp_stage,
+                           bucket_config, scheduler_config, tokenizer, tokenizer_mode, seed, cache_dir, skip_engine,
+                           backend=None, paged_attention_num_blocks=None, **kwargs) -> "LLM":
+        import time
+
+        from .artifacts import ArtifactError, read_artifact, read_manifest
+        from .build import plan_kv_cache
+        from .pass_manager import CompileContext
+        from .pipeline_builder import BuildResult
+
+        t0 = time.perf_counter()
+        kv_cache_memory_bytes = kwargs.pop("kv_cache_memory_bytes", None)
+        paged_attention_num_blocks = kwargs.pop("paged_attention_num_blocks", paged_attention_num_blocks)
+        enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)
+        if kwargs:
+            raise TypeError(f"unexpected keyword arguments for loading an artifact: {sorted(kwargs)}")
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        if paged_attention_num_blocks is not None and (not isinstance(paged_attention_num_blocks, int)
+                                                       or isinstance(paged_attention_num_blocks, bool)
+                                                       or paged_attention_num_blocks < 2):
+            raise ValueError(f"paged_attention_num_blocks must be an int >= 2, got {paged_attention_num_blocks!r}")
+        if tokenizer_mode not in ("auto", "slow"):
+            raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {tokenizer_mode!r}")
+        scheduler_config = SchedulerConfig() if scheduler_config is None else scheduler_config
+        if not isinstance(scheduler_config, SchedulerConfig):
+            raise TypeError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
+        if bucket_config is not None and not isinstance(bucket_config, BucketConfig):
+            raise TypeError(f"bucket_config must be a ManualBucketConfig or MinimalBucketConfig, "
+                            f"got {type(bucket_config).__name__}")
+        if pipeline_parallel_size not in (None, 1) or data_parallel_size not in (None, 1) \
+                or num_blocks_per_pp_stage is not None:
+            raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
+        obj = cls.__new__(cls)
+        obj.devices = parse_devices(devices)
+        if len(obj.devices) > 1:
+            raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
+        obj._device = obj.devices[0].to_torch_device()
+        if obj._device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"devices={devices!r}: CUDA is not available on this machine")
+        obj.backend = LLMBackend.parse(backend)
+        if obj.backend not in (LLMBackend.TORCH_PIPELINE_RUNNER, LLMBackend.MOCK_BACKEND_V2):
+            raise ValueError(f"backend={obj.backend.name} needs a Furiosa NPU; use TORCH_PIPELINE_RUNNER")
+        if not isinstance(path, (str, os.PathLike)):
+            raise TypeError(f"artifact path must be a str or os.PathLike, got {type(path).__name__}")
+        manifest = read_manifest(path)
+        st = manifest["settings"]
+        built_prefill = [Bucket(*b) for b in st["prefill_buckets"]]
+        built_decode = [Bucket(*b) for b in st["decode_buckets"]]
+        built_all = [Bucket(*b) for b in manifest["buckets"]["all"]]
+        if bucket_config is None:
+            prefill, decode = built_prefill, built_decode
+        else:
+            prefill, decode = bucket_config.buckets(st["prompt_max_seq_len"], st["max_seq_len_to_capture"])
+            missing = [b for b in prefill + decode if b not in built_all]
+            if missing:
+                raise ArtifactError(
+                    "bucket_config selects buckets this artifact was not built with: "
+                    f"{[(b.phase, b.batch_size, b.attention_size) for b in missing]}; built prefill buckets "
+                    f"(batch, attention): {[(b.batch_size, b.attention_size) for b in built_prefill]}, "
+                    f"decode: {[(b.batch_size, b.attention_size) for b in built_decode]}")
+        if not decode or (not prefill and not skip_engine):
+            raise ValueError("bucket_config must keep at least one prefill and one decode bucket")
+        extra = [b for b in built_all if b not in built_prefill and b not in built_decode]  # chunk buckets
+        buckets = list(dict.fromkeys(prefill + decode + extra))
+        contents = read_artifact(path, buckets=buckets)
+
+        if seed is not None:
+            from transformers import set_seed
+
+            set_seed(seed)
+        obj.seed = seed
+        obj.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        obj.model_id = contents.model_id
+        obj.model_config = contents.config
+        obj.generation_config = contents.generation_config
+        obj.tokenizer = load_tokenizer(contents.model_dir, tokenizer, tokenizer_mode)
+        obj.comp_supertask_kind = st.get("comp_supertask_kind", "fx")
+        obj.use_blockwise_compile = st.get("use_blockwise_compile", True)
+        obj.num_blocks_per_supertask = st.get("num_blocks_per_supertask", 1)
+        obj.scheduler_config = scheduler_config
+        obj.artifact_id = manifest["files"]["artifact.json"]["sha256"] if "artifact.json" in manifest["files"] \
+            else manifest.get("created", "NO_ARTIFACT_ID")
+        obj.is_generative_model = True
+        obj.prefill_chunk_size = st.get("prefill_chunk_size")
+        obj.max_seq_len_to_capture = max(b.attention_size for b in decode)
+        obj.prompt_max_seq_len = min(st["prompt_max_seq_len"], max((b.attention_size for b in prefill), default=0)
+                                     or st["prompt_max_seq_len"], obj.max_seq_len_to_capture)
+        obj.buckets = buckets
+        obj.geometry = contents.geometry
+        obj.paged_attention_block_size = st["block_size"]
+        context = CompileContext([], contents.params, contents.geometry, history=contents.passes)
+        obj._build = BuildResult(contents.pipelines, None, context)
+        obj.pipelines = contents.pipelines
+        obj.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in obj.pipelines]
+        obj.kv_cache_plan = plan_kv_cache(
+            obj.geometry, block_size=st["block_size"], max_context=obj.max_seq_len_to_capture,
+            max_decode_batch=max(b.batch_size for b in decode),
+            max_processing_samples=scheduler_config.max_processing_samples,
+            num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes)
+        obj._eos = frozenset(st.get("eos_token_ids", ())) | obj._eos_token_ids()
+        obj._prefill_buckets, obj._decode_buckets = prefill, decode
+        obj.build_info = {"compile_cache": "artifact", "artifact": os.fspath(path), "export_seconds": 0.0}
+        obj._start(skip_engine, enable_prefix_caching, None)
+        obj.build_info["seconds"] = time.perf_counter() - t0
+        return obj
 
     # -- introspection -----------------------------------------------------------------------------
     def _get_splitted_gms(self) -> dict[str, list[torch.fx.GraphModule]]:
