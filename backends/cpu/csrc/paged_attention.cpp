@@ -1,9 +1,11 @@
 // fxc::paged_attention CPU kernel for decode-shaped calls (few query tokens per sequence).
 //
-// Writes this step's K/V rows into the paged cache, then for every (sequence, query
-// head, query token) walks the sequence's block table over its *real* context,
+// Writes this step's K/V rows into the paged cache, then for every (sequence, query token)
+// walks the sequence's block table over its *real* context, all query heads at once,
 // computing a numerically-stable softmax in fp32 (fp64 for double caches).
 // GQA: query head h reads KV head h / (Hq / Hkv); K/V are never repeated.
+// fp32 and bf16 caches with head_dim 16/32/64/128 take the AVX-512 path (bf16 converted to
+// fp32 exactly in registers, fp32 accumulation); other cases a portable loop of the same shape.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -58,59 +60,213 @@ void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   });
 }
 
-#ifdef __AVX512F__
-// fp32, head_dim = 16*DV: scores with the K row held in registers for all G heads; V
-// accumulated into G x DV registers-worth of L1-resident accumulators.
-template <int DV>
-void attend_item_f32(const float* q /*[G][16*DV], pre-scaled*/, int64_t G, const float* kc, const float* vc,
-                     const int64_t* row_blocks, int64_t bs, int64_t block_stride, int64_t tok_stride,
-                     int64_t kv_off, int64_t lo, int64_t hi, float* scores /*[G][L]*/, int64_t L,
-                     float* out /*[G][16*DV] contiguous per g with stride out_stride*/, int64_t out_stride) {
-  constexpr int D = 16 * DV;
-  const int64_t n = hi - lo + 1;
-  for (int64_t j = lo; j <= hi; ++j) {
-    const float* kr = kc + row_blocks[j / bs] * block_stride + (j % bs) * tok_stride + kv_off;
-    __m512 k[DV];
-    for (int i = 0; i < DV; ++i) k[i] = _mm512_loadu_ps(kr + 16 * i);
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(k[0], _mm512_loadu_ps(q + g * D));
-      for (int i = 1; i < DV; ++i) a = _mm512_fmadd_ps(k[i], _mm512_loadu_ps(q + g * D + 16 * i), a);
-      scores[g * L + (j - lo)] = _mm512_reduce_add_ps(a);
+// ---------------------------------------------------------------------------------------------
+// Attention over the cache.
+//
+// A *row* is one (sequence b, query token s): it attends over context tokens [lo, hi].  The rows'
+// tokens are laid end to end and cut into T equal shares (T = threads), cuts rounded to block
+// boundaries; a row cut by a share boundary is processed as several *pieces* whose partial
+// results (max m, sum l, unnormalised output) are merged afterwards (log-sum-exp), so one long
+// context keeps both cores busy and uneven lengths stay balanced.
+//
+// A piece walks its blocks twice, K then V.  Every block is one contiguous run of token rows
+// [bs][Hkv][D] and each token row is read once for all KV heads and all query heads of their
+// groups (the scores of the row's Hq heads come out of one pass).  While a block is processed,
+// the next block of the stream (K blocks, then the piece's V blocks, then the next piece's K
+// blocks) is prefetched token row by token row: the block ids are random, so neither the
+// hardware prefetcher nor out-of-order execution would otherwise start the next block early.
+// ---------------------------------------------------------------------------------------------
+
+struct Piece {
+  int64_t row, a, e;  // context tokens [a, e] of row
+  int64_t slot;       // -1: the whole row (write the output), else index of the partial result
+};
+
+template <typename scalar_t>
+struct Geo {
+  const scalar_t* kc;
+  const scalar_t* vc;
+  int64_t bs, Hkv, G, D, block_stride, tok_stride;
+  double softcap;
+};
+
+int g_prefetch = 1;       // 0: none, 1: T0, 2: T1, 3: NTA (_set_prefetch, for measurements)
+int g_prefetch_dist = 1;  // blocks ahead
+
+inline void prefetch_bytes(const char* p, int64_t bytes) {
+  switch (g_prefetch) {
+    case 1: for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3); break;
+    case 2: for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2); break;
+    case 3: for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0); break;
+    default: break;
+  }
+}
+
+// The reference order of operations, any dtype / head_dim: scores, softmax stats, unnormalised
+// output of one piece.  q: [Hq][D] pre-scaled; scores: [Hq][n]; m, l: [Hq]; acc: [Hq][D].
+template <typename scalar_t, typename acc_t>
+void piece_generic(const Geo<scalar_t>& g, const acc_t* q, const int64_t* row_blocks, int64_t a, int64_t e,
+                   acc_t* scores, acc_t* m, acc_t* l, acc_t* acc) {
+  const int64_t n = e - a + 1, Hq = g.Hkv * g.G, D = g.D;
+  for (int64_t j = a; j <= e; ++j) {
+    const scalar_t* kr = g.kc + row_blocks[j / g.bs] * g.block_stride + (j % g.bs) * g.tok_stride;
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const acc_t* qh = q + hq * D;
+      const scalar_t* kh = kr + (hq / g.G) * D;
+      acc_t dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qh[d] * static_cast<acc_t>(kh[d]);
+      if (g.softcap > 0) dot = static_cast<acc_t>(std::tanh(dot / g.softcap) * g.softcap);
+      scores[hq * n + (j - a)] = dot;
     }
   }
-  for (int64_t g = 0; g < G; ++g) {
-    float* row = scores + g * L;
-    float mx = row[0];
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    acc_t* row = scores + hq * n;
+    acc_t mx = row[0];
     for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
+#pragma omp simd
     for (int64_t j = 0; j < n; ++j) row[j] -= mx;
     exp_row(row, n);
-    float denom = 0;
-    for (int64_t j = 0; j < n; ++j) denom += row[j];
-    const float inv = 1.0f / denom;
-    for (int64_t j = 0; j < n; ++j) row[j] *= inv;
+    acc_t sum = 0;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < n; ++j) sum += row[j];
+    m[hq] = mx;
+    l[hq] = sum;
   }
-  constexpr int GMAX = 8;
-  for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
-    const int64_t gn = std::min<int64_t>(GMAX, G - g0);
-    __m512 acc[GMAX][DV];
-    for (int g = 0; g < gn; ++g)
-      for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_setzero_ps();
-    for (int64_t j = lo; j <= hi; ++j) {
-      const float* vr = vc + row_blocks[j / bs] * block_stride + (j % bs) * tok_stride + kv_off;
-      __m512 v[DV];
-      for (int i = 0; i < DV; ++i) v[i] = _mm512_loadu_ps(vr + 16 * i);
-      for (int g = 0; g < gn; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[(g0 + g) * L + (j - lo)]);
-        for (int i = 0; i < DV; ++i) acc[g][i] = _mm512_fmadd_ps(p, v[i], acc[g][i]);
+  std::fill(acc, acc + Hq * D, acc_t(0));
+  for (int64_t j = a; j <= e; ++j) {
+    const scalar_t* vr = g.vc + row_blocks[j / g.bs] * g.block_stride + (j % g.bs) * g.tok_stride;
+    for (int64_t hq = 0; hq < Hq; ++hq) {
+      const acc_t p = scores[hq * n + (j - a)];
+      const scalar_t* vh = vr + (hq / g.G) * D;
+      acc_t* ah = acc + hq * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) ah[d] += p * static_cast<acc_t>(vh[d]);
+    }
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up by 16
+  return _mm512_castsi512_ps(
+      _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+
+// fp32 / bf16 caches, head_dim = 16 * DV; accumulation in fp32.
+template <typename T, int DV>
+void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, int64_t a, int64_t e, float* scores,
+                  float* m, float* l, float* acc, const int64_t* next_blocks, int64_t next_nb) {
+  constexpr int D = 16 * DV;
+  constexpr int GMAX = DV >= 8 ? 3 : (DV == 4 ? 6 : 8);  // accumulators of the V pass: GMAX * DV <= 24 zmm
+  const int64_t n = e - a + 1, bs = g.bs, Hkv = g.Hkv, G = g.G, Hq = Hkv * G;
+  const int64_t row_bytes = g.tok_stride * static_cast<int64_t>(sizeof(T));
+  const int64_t first_blk = a / bs, last_blk = e / bs, nb = last_blk - first_blk + 1;
+  const int64_t seg_bytes = D * static_cast<int64_t>(sizeof(T));
+  // The blocks this thread reads, in order: K blocks, V blocks, the next piece's K blocks.
+  auto stream = [&](int64_t s) -> const char* {
+    if (s < nb) return reinterpret_cast<const char*>(g.kc + row_blocks[first_blk + s] * g.block_stride);
+    if (s < 2 * nb) return reinterpret_cast<const char*>(g.vc + row_blocks[first_blk + s - nb] * g.block_stride);
+    s -= 2 * nb;
+    return s < next_nb ? reinterpret_cast<const char*>(g.kc + next_blocks[s] * g.block_stride) : nullptr;
+  };
+  // K pass, per block and up to 16 consecutive token rows: for each (KV head, query head) the 16
+  // dot products are reduced together (one transpose-add tree instead of 16 horizontal sums),
+  // with the query row held in registers.
+  for (int64_t blk = first_blk; blk <= last_blk; ++blk) {
+    const int64_t tb = blk == first_blk ? a - blk * bs : 0;
+    const int64_t te = blk == last_blk ? e - blk * bs + 1 : bs;
+    const T* base = g.kc + row_blocks[blk] * g.block_stride;
+    const char* next = stream(blk - first_blk + g_prefetch_dist);
+    for (int64_t t0 = tb; t0 < te; t0 += 16) {
+      const int64_t cnt = std::min<int64_t>(16, te - t0);
+      const __mmask16 mk = static_cast<__mmask16>(cnt >= 16 ? 0xFFFFu : (1u << cnt) - 1);
+      const T* rows = base + t0 * g.tok_stride;
+      const int64_t col = blk * bs + t0 - a;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        if (next)
+          for (int64_t t = 0; t < cnt; ++t) prefetch_bytes(next + (t0 + t) * row_bytes + h * seg_bytes, seg_bytes);
+        for (int64_t gg = 0; gg < G; ++gg) {
+          const float* qh = q + (h * G + gg) * D;
+          __m512 qv[DV];
+          for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(qh + 16 * i);
+          __m512 P[16];
+#pragma GCC unroll 16
+          for (int t = 0; t < 16; ++t) {
+            const T* kr = rows + std::min<int64_t>(t, cnt - 1) * g.tok_stride + h * D;
+            __m512 s0 = _mm512_mul_ps(qv[0], load16(kr));
+            if constexpr (DV >= 2) {
+              __m512 s1 = _mm512_mul_ps(qv[1], load16(kr + 16));
+              for (int i = 2; i < DV; i += 2) {
+                s0 = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), s0);
+                s1 = _mm512_fmadd_ps(qv[i + 1], load16(kr + 16 * i + 16), s1);
+              }
+              s0 = _mm512_add_ps(s0, s1);
+            }
+            P[t] = s0;
+          }
+          _mm512_mask_storeu_ps(scores + (h * G + gg) * n + col, mk, fxc::sum16(P));
+        }
       }
     }
-    for (int g = 0; g < gn; ++g)
-      for (int i = 0; i < DV; ++i) _mm512_storeu_ps(out + (g0 + g) * out_stride + 16 * i, acc[g][i]);
+  }
+  if (g.softcap > 0)
+    for (int64_t i = 0; i < Hq * n; ++i) scores[i] = static_cast<float>(std::tanh(scores[i] / g.softcap) * g.softcap);
+  for (int64_t hq = 0; hq < Hq; ++hq) {
+    float* row = scores + hq * n;
+    int64_t j = 0;
+    __m512 vmx = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (; j + 16 <= n; j += 16) vmx = _mm512_max_ps(vmx, _mm512_loadu_ps(row + j));
+    float mx = _mm512_reduce_max_ps(vmx);
+    for (; j < n; ++j) mx = std::max(mx, row[j]);
+    const __m512 vm = _mm512_set1_ps(mx);
+    __m512 vs = _mm512_setzero_ps();
+    for (j = 0; j + 16 <= n; j += 16) {
+      const __m512 p = fxc::exp512(_mm512_sub_ps(_mm512_loadu_ps(row + j), vm));
+      _mm512_storeu_ps(row + j, p);
+      vs = _mm512_add_ps(vs, p);
+    }
+    if (j < n) {
+      const __mmask16 mk = static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(mk, fxc::exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, row + j), vm)));
+      _mm512_mask_storeu_ps(row + j, mk, p);
+      vs = _mm512_add_ps(vs, p);
+    }
+    m[hq] = mx;
+    l[hq] = _mm512_reduce_add_ps(vs);
+  }
+  // V pass: per block and KV head, the group's accumulators stay in registers over the block's tokens.
+  for (int64_t i = 0; i < Hq * D; i += 16) _mm512_storeu_ps(acc + i, _mm512_setzero_ps());
+  for (int64_t blk = first_blk; blk <= last_blk; ++blk) {
+    const int64_t t0 = blk == first_blk ? a - blk * bs : 0;
+    const int64_t t1 = blk == last_blk ? e - blk * bs + 1 : bs;
+    const T* base = g.vc + row_blocks[blk] * g.block_stride;
+    const char* next = stream(nb + blk - first_blk + g_prefetch_dist);
+    const int64_t col0 = blk * bs - a;
+    for (int64_t h = 0; h < Hkv; ++h) {
+      for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
+        const int gn = static_cast<int>(std::min<int64_t>(GMAX, G - g0));
+        __m512 ac[GMAX][DV];
+        for (int gg = 0; gg < gn; ++gg)
+          for (int i = 0; i < DV; ++i) ac[gg][i] = _mm512_loadu_ps(acc + (h * G + g0 + gg) * D + 16 * i);
+        for (int64_t t = t0; t < t1; ++t) {
+          if (next && g0 == 0) prefetch_bytes(next + t * row_bytes + h * seg_bytes, seg_bytes);
+          const T* vr = base + t * g.tok_stride + h * D;
+          __m512 v[DV];
+          for (int i = 0; i < DV; ++i) v[i] = load16(vr + 16 * i);
+          for (int gg = 0; gg < gn; ++gg) {
+            const __m512 p = _mm512_set1_ps(scores[(h * G + g0 + gg) * n + col0 + t]);
+            for (int i = 0; i < DV; ++i) ac[gg][i] = _mm512_fmadd_ps(p, v[i], ac[gg][i]);
+          }
+        }
+        for (int gg = 0; gg < gn; ++gg)
+          for (int i = 0; i < DV; ++i) _mm512_storeu_ps(acc + (h * G + g0 + gg) * D + 16 * i, ac[gg][i]);
+      }
+    }
   }
 }
 #endif
 
-// One work item = (sequence, KV head, query token): its G query heads share every K/V row read.
 template <typename scalar_t>
 void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_table, const torch::Tensor& query_pos, const torch::Tensor& seq_lens,
@@ -118,91 +274,143 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
   using acc_t = typename Acc<scalar_t>::type;
   const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
-  const int64_t G = Hq / Hkv;
   const int64_t MB = block_table.size(1);
+  const Geo<scalar_t> geo{k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), bs, Hkv, Hq / Hkv, D,
+                          bs * Hkv * D, Hkv * D, softcap};
   auto qa = query.accessor<scalar_t, 4>();
   auto qp = query_pos.accessor<int64_t, 2>();
   auto sl = seq_lens.accessor<int64_t, 1>();
   const int64_t* bt = block_table.data_ptr<int64_t>();  // contiguous [B, MB]
-  const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-  const scalar_t* vc = v_cache.data_ptr<scalar_t>();
-  scalar_t* o = out.data_ptr<scalar_t>();  // [B, S, Hq, D] contiguous
-  const int64_t block_stride = bs * Hkv * D, tok_stride = Hkv * D;
-  const int64_t L = MB * bs;
+  scalar_t* o = out.data_ptr<scalar_t>();                // [B, S, Hq, D] contiguous
   const acc_t sc = static_cast<acc_t>(scale);
 
-  at::parallel_for(0, B * Hkv * S, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> scores(G * L), q(G * D), acc(G * D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t b = item / (Hkv * S), kvh = (item / S) % Hkv, s = item % S;
-      const int64_t pos = qp[b][s];
-      const int64_t hi = std::min<int64_t>(pos, sl[b] - 1);
-      const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-      const int64_t n = hi - lo + 1;
-      if (n <= 0) {
-        for (int64_t g = 0; g < G; ++g) {
-          scalar_t* dst = o + ((b * S + s) * Hq + kvh * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) dst[d] = scalar_t(0);
-        }
-        continue;
+  // Rows and their context ranges; rows with nothing to attend to output zeros.
+  const int64_t R = B * S;
+  std::vector<int64_t> lo(R), cnt(R);
+  int64_t total = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t b = r / S, s = r % S, pos = qp[b][s];
+    const int64_t hi = std::min<int64_t>(pos, std::min<int64_t>(sl[b], MB * bs) - 1);
+    lo[r] = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
+    cnt[r] = std::max<int64_t>(0, hi - lo[r] + 1);
+    total += cnt[r];
+    if (cnt[r] == 0) std::fill(o + r * Hq * D, o + (r + 1) * Hq * D, scalar_t(0));
+  }
+  // Shares: thread t takes tokens [cut[t], cut[t+1]) of the concatenation, cuts moved to a block
+  // boundary of the row they fall in (or to the row's end when the row is short).
+  const int64_t T = at::in_parallel_region() ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), R));
+  std::vector<std::vector<Piece>> shares(T);
+  int64_t nparts = 0;
+  {
+    std::vector<int64_t> cut_row(T + 1, R), cut_off(T + 1, 0);  // cut t = before token cut_off of row cut_row
+    cut_row[0] = 0;
+    int64_t r = 0, before = 0;  // tokens of rows < r
+    for (int64_t t = 1; t < T; ++t) {
+      const int64_t target = total * t / T;
+      while (r < R && before + cnt[r] <= target) before += cnt[r++];
+      int64_t off = target - before;
+      if (r < R && off > 0) {
+        const int64_t j = lo[r] + off;
+        const int64_t aligned = (j + bs / 2) / bs * bs - lo[r];
+        off = cnt[r] < 4 * bs ? (2 * off < cnt[r] ? 0 : cnt[r]) : std::clamp<int64_t>(aligned, 0, cnt[r]);
       }
-      for (int64_t g = 0; g < G; ++g)
-        for (int64_t d = 0; d < D; ++d) q[g * D + d] = static_cast<acc_t>(qa[b][kvh * G + g][s][d]) * sc;
-      const int64_t* row_blocks = bt + b * MB;
+      cut_row[t] = r;
+      cut_off[t] = off;
+    }
+    for (int64_t t = 0; t < T; ++t) {
+      for (int64_t rr = cut_row[t]; rr <= std::min<int64_t>(cut_row[t + 1], R - 1); ++rr) {
+        const int64_t begin = rr == cut_row[t] ? cut_off[t] : 0;
+        const int64_t end = rr == cut_row[t + 1] ? cut_off[t + 1] : cnt[rr];
+        if (end <= begin) continue;
+        const bool whole = begin == 0 && end == cnt[rr];
+        int64_t slot = -1;
+        if (!whole) slot = nparts++;
+        shares[t].push_back(Piece{rr, lo[rr] + begin, lo[rr] + end - 1, slot});
+      }
+    }
+  }
+  std::vector<acc_t> part_acc(nparts * Hq * D), part_ml(nparts * Hq * 2);
+
+  at::parallel_for(0, T, 1, [&](int64_t tb, int64_t te) {
+    static thread_local std::vector<acc_t> buf;
+    for (int64_t t = tb; t < te; ++t) {
+      const auto& pieces = shares[t];
+      int64_t maxn = 0;
+      for (const auto& p : pieces) maxn = std::max(maxn, p.e - p.a + 1);
+      const size_t need = static_cast<size_t>(Hq * maxn + Hq * D * 2 + Hq * 2 + 64);
+      if (buf.size() < need) buf.resize(need);
+      acc_t* q = buf.data();
+      acc_t* acc = q + Hq * D;
+      acc_t* ml = acc + Hq * D;
+      acc_t* scores = ml + Hq * 2;
+      for (size_t pi = 0; pi < pieces.size(); ++pi) {
+        const Piece& p = pieces[pi];
+        const int64_t b = p.row / S, s = p.row % S;
+        const int64_t* row_blocks = bt + b * MB;
+        for (int64_t hq = 0; hq < Hq; ++hq)
+          for (int64_t d = 0; d < D; ++d) q[hq * D + d] = static_cast<acc_t>(qa[b][hq][s][d]) * sc;
+        acc_t* pacc = p.slot >= 0 ? part_acc.data() + p.slot * Hq * D : acc;
+        acc_t* pm = p.slot >= 0 ? part_ml.data() + p.slot * Hq * 2 : ml;
+        bool done = false;
 #ifdef __AVX512F__
-      if constexpr (std::is_same_v<scalar_t, float>) {
-        if (softcap <= 0 && (D == 64 || D == 128)) {
-          float* dst = o + ((b * S + s) * Hq + kvh * G) * D;
-          if (D == 64)
-            attend_item_f32<4>(q.data(), G, kc, vc, row_blocks, bs, block_stride, tok_stride, kvh * D, lo, hi,
-                               scores.data(), L, dst, D);
-          else
-            attend_item_f32<8>(q.data(), G, kc, vc, row_blocks, bs, block_stride, tok_stride, kvh * D, lo, hi,
-                               scores.data(), L, dst, D);
-          continue;
+        if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+          const int64_t* nxb = nullptr;
+          int64_t nxn = 0;
+          if (pi + 1 < pieces.size()) {
+            const Piece& nx = pieces[pi + 1];
+            nxb = bt + (nx.row / S) * MB + nx.a / bs;
+            nxn = nx.e / bs - nx.a / bs + 1;
+          }
+          done = true;
+          switch (D) {
+            case 16: piece_avx512<scalar_t, 1>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
+            case 32: piece_avx512<scalar_t, 2>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
+            case 64: piece_avx512<scalar_t, 4>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
+            case 128: piece_avx512<scalar_t, 8>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
+            default: done = false;
+          }
         }
-      }
 #endif
-      for (int64_t j = lo; j <= hi; ++j) {
-        const scalar_t* kr = kc + row_blocks[j / bs] * block_stride + (j % bs) * tok_stride + kvh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const acc_t* qg = q.data() + g * D;
-          acc_t dot = 0;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qg[d] * static_cast<acc_t>(kr[d]);
-          if (softcap > 0) dot = static_cast<acc_t>(std::tanh(dot / softcap) * softcap);
-          scores[g * L + (j - lo)] = dot;
+        if (!done) piece_generic<scalar_t, acc_t>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc);
+        if (p.slot < 0) {
+          scalar_t* dst = o + p.row * Hq * D;
+          for (int64_t hq = 0; hq < Hq; ++hq) {
+            const acc_t inv = acc_t(1) / pm[Hq + hq];
+            for (int64_t d = 0; d < D; ++d) dst[hq * D + d] = static_cast<scalar_t>(pacc[hq * D + d] * inv);
+          }
         }
-      }
-      std::vector<acc_t> inv(G);
-      for (int64_t g = 0; g < G; ++g) {
-        acc_t* row = scores.data() + g * L;
-        acc_t mx = row[0];
-        for (int64_t j = 1; j < n; ++j) mx = std::max(mx, row[j]);
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) row[j] -= mx;
-        exp_row(row, n);
-        acc_t denom = 0;
-#pragma omp simd reduction(+ : denom)
-        for (int64_t j = 0; j < n; ++j) denom += row[j];
-        inv[g] = acc_t(1) / denom;
-      }
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t j = lo; j <= hi; ++j) {
-        const scalar_t* vr = vc + row_blocks[j / bs] * block_stride + (j % bs) * tok_stride + kvh * D;
-        for (int64_t g = 0; g < G; ++g) {
-          const acc_t p = scores[g * L + (j - lo)];
-          acc_t* ag = acc.data() + g * D;
-#pragma omp simd
-          for (int64_t d = 0; d < D; ++d) ag[d] += p * static_cast<acc_t>(vr[d]);
-        }
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        scalar_t* dst = o + ((b * S + s) * Hq + kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[g * D + d] * inv[g]);
       }
     }
   });
+
+  // Rows cut between shares: merge their pieces' partial results (log-sum-exp).  A row's pieces
+  // have consecutive slots (shares are consecutive token ranges).
+  if (nparts) {
+    std::vector<int64_t> slot_row(nparts);
+    for (const auto& pieces : shares)
+      for (const Piece& p : pieces)
+        if (p.slot >= 0) slot_row[p.slot] = p.row;
+    std::vector<acc_t> accum(D);
+    for (int64_t first = 0, last; first < nparts; first = last + 1) {
+      last = first;
+      while (last + 1 < nparts && slot_row[last + 1] == slot_row[first]) ++last;
+      scalar_t* dst = o + slot_row[first] * Hq * D;
+      for (int64_t hq = 0; hq < Hq; ++hq) {
+        acc_t mx = -std::numeric_limits<acc_t>::infinity();
+        for (int64_t k = first; k <= last; ++k) mx = std::max(mx, part_ml[k * Hq * 2 + hq]);
+        acc_t denom = 0;
+        std::fill(accum.begin(), accum.end(), acc_t(0));
+        for (int64_t k = first; k <= last; ++k) {
+          const acc_t w = std::exp(part_ml[k * Hq * 2 + hq] - mx);
+          denom += w * part_ml[k * Hq * 2 + Hq + hq];
+          const acc_t* pa = part_acc.data() + (k * Hq + hq) * D;
+          for (int64_t d = 0; d < D; ++d) accum[d] += w * pa[d];
+        }
+        const acc_t inv = acc_t(1) / denom;
+        for (int64_t d = 0; d < D; ++d) dst[hq * D + d] = static_cast<scalar_t>(accum[d] * inv);
+      }
+    }
+  }
 }
 
 torch::Tensor paged_attention_cpu(torch::Tensor query, torch::Tensor key, torch::Tensor value,
@@ -240,6 +448,8 @@ torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_cpu", &paged_attention_cpu, "fxc::paged_attention CPU kernel (decode-shaped calls)");
+  m.def("_set_prefetch", [](int mode, int dist) { g_prefetch = mode; g_prefetch_dist = dist; },
+        "software prefetch of the KV blocks: mode (0 none, 1 T0, 2 T1, 3 NTA), distance in blocks (measurements)");
   m.def("write_cache", &write_cache_cpu, "write K/V rows [B, Hkv, S, D] into cache slots [B, S]");
   m.def("rms_norm", &fxc_rms_norm_cpu, "fxc::rms_norm CPU kernel");
   m.def("silu_mul", &fxc_silu_mul_cpu, "fxc::silu_mul CPU kernel");

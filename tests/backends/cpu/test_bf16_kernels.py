@@ -45,3 +45,33 @@ def test_silu_mul_and_rope_bf16_equal_transformers_ops(b, h, s, d, seed):
     q_ref, k_ref = apply_rotary_pos_emb(q, k, cos, sin)
     assert torch.equal(torch.ops.fxc.rope(q, cos.unsqueeze(1), sin.unsqueeze(1)), q_ref)
     assert torch.equal(torch.ops.fxc.rope(k, cos.unsqueeze(1), sin.unsqueeze(1)), k_ref)
+
+
+def test_silu_mul_bf16_is_bit_identical_for_every_bf16_gate():
+    """silu(gate) depends on one bf16 value: all 65536 of them (inf, NaN, subnormals included), at every
+    position of a vector and in the tail, against ATen's F.silu(gate) * up."""
+    every = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    for n_extra in (0, 5):
+        gate = torch.cat([every, every[:n_extra]])
+        for up in (torch.ones_like(gate), torch.randn(gate.shape, generator=g).to(torch.bfloat16)):
+            expected = torch.nn.functional.silu(gate) * up
+            got = torch.ops.fxc.silu_mul(gate, up)
+            same = (got.view(torch.int16) == expected.view(torch.int16)) | (got.isnan() & expected.isnan())
+            assert bool(same.all()), gate[~same][:8]
+
+
+@settings(max_examples=30, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 9), s=st.integers(1, 5), d=st.sampled_from([2, 8, 34, 64, 128]),
+       contiguous=st.booleans(), seed=st.integers(0, 2**16))
+def test_rope_bf16_is_bit_identical_to_reference(b, h, s, d, contiguous, seed):
+    from fxcompiler.ops.fused import rope_reference
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, s, h, d, generator=g).to(torch.bfloat16).transpose(1, 2)  # strided like transformers' q/k
+    if contiguous:
+        x = x.contiguous()
+    cos = (torch.randn(b, 1, s, d, generator=g) * 2).to(torch.bfloat16)
+    sin = (torch.randn(b, 1, s, d, generator=g) * 1e-2).to(torch.bfloat16)
+    got = torch.ops.fxc.rope(x, cos, sin)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, rope_reference(x, cos, sin))

@@ -43,6 +43,59 @@ def test_kernel_matches_reference(batch, kv_heads, group, head_dim, ctx, tokens,
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
 
+def _decode_case(lens, kv_heads, group, head_dim, block_size, dtype, seed, tokens=1):
+    """Caches with shuffled block ids, one row per entry of `lens` (each row's real context length)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, hq = len(lens), kv_heads * group
+    mb = -(-max(lens) // block_size)
+    nb = batch * mb + 2
+    k_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    table = (torch.randperm(nb - 1, generator=g)[: batch * mb] + 1).view(batch, mb)
+    q = torch.randn(batch, tokens, hq, head_dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    lens = torch.tensor(lens)
+    pos = lens.view(-1, 1) - tokens + torch.arange(tokens)
+    slots = table.gather(1, pos // block_size) * block_size + pos % block_size
+    return q, k, v, k_cache, v_cache, table, slots, pos, lens
+
+
+def _check_decode(case, scale, dtype, window=-1):
+    q, k, v, k_cache, v_cache, table, slots, pos, lens = case
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    ref = paged_attention_reference(q, k, v, k_cache, v_cache, table, slots, pos, lens, scale, window)
+    out = attention.paged_attention_cpu(q, k, v, kc2, vc2, table, slots, pos, lens, scale, window)
+    assert torch.equal(k_cache, kc2) and torch.equal(v_cache, vc2)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@settings(max_examples=50, deadline=None)
+@given(lens=st.lists(st.one_of(st.integers(1, 40), st.integers(1, 700)), min_size=1, max_size=6),
+       kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3, 4, 8]),
+       head_dim=st.sampled_from([64, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_decode_kernel_uneven_and_long_contexts(lens, kv_heads, group, head_dim, dtype, seed):
+    """Decode (one token per row) with the model geometry's block size: lengths 1, non-multiples of 16 and
+    long rows that the kernel splits between threads (log-sum-exp merge of the pieces)."""
+    _check_decode(_decode_case(lens, kv_heads, group, head_dim, 16, dtype, seed), head_dim ** -0.5, dtype)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_decode_kernel_splits_rows_between_threads(threads, dtype):
+    """One long row (split into pieces per thread), several rows with a cut inside one, a row of length 1."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, lens in enumerate(([1000], [300, 17, 1, 650], [1, 1, 1], [64, 64, 64, 64, 64])):
+            _check_decode(_decode_case(lens, 3, 3, 64, 16, dtype, i), 0.125, dtype)
+            _check_decode(_decode_case(lens, 2, 4, 128, 16, dtype, i, tokens=min(3, min(lens))), 0.09, dtype,
+                          window=200)
+    finally:
+        torch.set_num_threads(old)
+
+
 def test_op_dispatches_to_kernel_for_decode():
     assert attention._state["module"] is not None
     q = torch.randn(1, 4, 1, 16)

@@ -1,0 +1,186 @@
+"""Microbenchmark of the decode kernel of ``fxc::paged_attention`` against the ATen reference.
+
+    python benchmarks/attention.py                      # SmolLM2-135M geometry, batch 1/16/64, ctx 136/512, fp32+bf16
+    python benchmarks/attention.py --compare-src /tmp/old_csrc   # also time another copy of csrc/ (old kernel)
+    python benchmarks/attention.py --batch 64 --ctx 136 --dtype fp32 --no-aten
+
+Geometry: 9 query heads, 3 KV heads, head_dim 64, block 16 (``--hq/--hkv/--d/--block``).
+One query token per sequence (decode), every sequence at ``ctx`` tokens of context (the new
+token's K/V row is written by the call as in a real step), block tables of shuffled block ids.
+
+GB/s = bytes of K and V actually read over the real context (B * ctx * Hkv * D * elem * 2)
+divided by the median per-call time.  Each candidate cycles through enough separate caches
+(``--pool-mb`` in all, as a decode step cycles through its layers' caches) that K/V come from
+DRAM, not from the caches of the last call.  Candidates run interleaved in rounds, so the
+noise of this shared VM hits them alike; the figure is the median over all calls, "best" the
+fastest call.  2 threads (``--threads``).
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from backends.cpu import _build, attention  # noqa: E402
+from fxcompiler.ops.paged_attention import paged_attention_reference  # noqa: E402
+
+def _cpu_busy(window: float = 0.2) -> float:
+    """Fraction of all CPUs busy over `window` seconds (Linux /proc/stat)."""
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(t) for t in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]
+    a = snap()
+    time.sleep(window)
+    b = snap()
+    return 1.0 - (b[1] - a[1]) / max(1, b[0] - a[0])
+
+
+def wait_quiet(enabled: bool, threshold: float = 0.1, timeout: float = 60.0) -> None:
+    if not enabled or not os.path.exists("/proc/stat"):
+        return
+    t_end = time.time() + timeout
+    while time.time() < t_end and _cpu_busy() > threshold:
+        pass
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def load_module_from(src_dir: str):
+    """Build ``paged_attention.cpp`` + ``fused_ops.cpp`` of another source directory (e.g. the old kernel)."""
+    from torch.utils import cpp_extension
+
+    src = Path(src_dir)
+    sources = [src / "paged_attention.cpp", src / "fused_ops.cpp"]
+    isa = _build.detect_isa()
+    flags = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"] + _build._FLAGS[isa]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources + [src / "simd_math.h"])
+                            + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"fxc_pa_bench_{isa}_{digest}"
+    build_dir = _build.cache_dir() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(name=name, sources=[str(p) for p in sources], extra_cflags=flags,
+                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+
+
+class Case:
+    """Caches for `n_layers` layers carved out of one pool, inputs for one decode call per layer."""
+
+    def __init__(self, batch, ctx, dtype, hq, hkv, d, bs, pool_mb, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        self.batch, self.ctx, self.dtype = batch, ctx, dtype
+        mb = -(-ctx // bs)
+        nb = batch * mb + 1
+        elem = torch.tensor([], dtype=dtype).element_size()
+        per_layer = 2 * nb * bs * hkv * d
+        self.n_layers = max(1, min(4096, int(pool_mb * 2**20 // (per_layer * elem))))
+        pool = torch.empty(self.n_layers * per_layer, dtype=dtype)
+        chunk = torch.randn(min(per_layer, 1 << 22), generator=g).to(dtype)
+        for off in range(0, pool.numel(), chunk.numel()):
+            n = min(chunk.numel(), pool.numel() - off)
+            pool[off:off + n].copy_(chunk[:n])
+        shape = (nb, bs, hkv, d)
+        half = per_layer // 2
+        self.caches = [(pool[i * per_layer:i * per_layer + half].view(shape),
+                        pool[i * per_layer + half:(i + 1) * per_layer].view(shape)) for i in range(self.n_layers)]
+        self.table = (torch.randperm(nb - 1, generator=g)[: batch * mb] + 1).view(batch, mb)
+        self.lens = torch.full((batch,), ctx, dtype=torch.int64)
+        self.pos = (self.lens - 1).view(batch, 1)
+        self.slots = self.table.gather(1, self.pos // bs) * bs + self.pos % bs
+        self.q = torch.randn(batch, 1, hq, d, generator=g).to(dtype).transpose(1, 2)
+        self.k = torch.randn(batch, hkv, 1, d, generator=g).to(dtype)
+        self.v = torch.randn(batch, hkv, 1, d, generator=g).to(dtype)
+        self.scale = d ** -0.5
+        self.kv_bytes = 2 * batch * ctx * hkv * d * elem
+        self.i = 0
+
+    def args(self):
+        kc, vc = self.caches[self.i % self.n_layers]
+        self.i += 1
+        return (self.q, self.k, self.v, kc, vc, self.table, self.slots, self.pos, self.lens, self.scale, -1, 0.0)
+
+
+def bench_case(case: Case, candidates: dict, rounds: int, calls: int, quiet: bool = False) -> dict:
+    times = {name: [] for name in candidates}
+    for name, fn in candidates.items():  # warm-up (and first-touch of the pool)
+        for _ in range(min(case.n_layers, 64)):
+            fn(*case.args())
+    for _ in range(rounds):
+        wait_quiet(quiet)
+        for name, fn in candidates.items():
+            n = calls if name != "aten" else max(2, calls // 4)
+            for _ in range(n):
+                a = case.args()
+                t = time.perf_counter()
+                fn(*a)
+                times[name].append(time.perf_counter() - t)
+    return times
+
+
+def check(case: Case, candidates: dict) -> None:
+    a = case.args()
+    ref = paged_attention_reference(*a).float()
+    tol = 2e-2 if case.dtype == torch.bfloat16 else 2e-5
+    for name, fn in candidates.items():
+        torch.testing.assert_close(fn(*a).float(), ref, rtol=tol, atol=tol, msg=f"{name} disagrees with ATen")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", default="1,16,64")
+    ap.add_argument("--ctx", default="136,512")
+    ap.add_argument("--dtype", default="fp32,bf16")
+    ap.add_argument("--hq", type=int, default=9)
+    ap.add_argument("--hkv", type=int, default=3)
+    ap.add_argument("--d", type=int, default=64)
+    ap.add_argument("--block", type=int, default=16)
+    ap.add_argument("--pool-mb", type=float, default=256, help="K/V bytes cycled through per case (0: one layer, hot)")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=40, help="calls per candidate per round (ATen: a quarter)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--compare-src", help="directory with another paged_attention.cpp/fused_ops.cpp/simd_math.h")
+    ap.add_argument("--no-aten", action="store_true")
+    ap.add_argument("--wait-quiet", action="store_true",
+                    help="before each round wait (up to 60 s) until the other tenants leave the CPUs idle")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    mod = attention.kernel_module()
+    candidates = {}
+    if mod is not None:
+        candidates["fxc"] = mod.paged_attention_cpu
+    if args.compare_src:
+        candidates["old"] = load_module_from(args.compare_src).paged_attention_cpu
+    if not args.no_aten:
+        candidates["aten"] = paged_attention_reference
+    print(f"isa={_build.detect_isa()} threads={torch.get_num_threads()} hq={args.hq} hkv={args.hkv} d={args.d} "
+          f"block={args.block} pool={args.pool_mb} MB")
+    header = f"{'dtype':5} {'batch':>5} {'ctx':>5} {'KV MB':>7} " + " ".join(
+        f"{n + ' ms':>10} {n + ' GB/s':>10} {'(best)':>7}" for n in candidates)
+    print(header)
+    for dname in args.dtype.split(","):
+        for batch in (int(b) for b in args.batch.split(",")):
+            for ctx in (int(c) for c in args.ctx.split(",")):
+                case = Case(batch, ctx, DTYPES[dname], args.hq, args.hkv, args.d, args.block, args.pool_mb)
+                check(case, candidates)
+                times = bench_case(case, candidates, args.rounds, args.calls, args.wait_quiet)
+                cells = []
+                for name in candidates:
+                    med, best = statistics.median(times[name]), min(times[name])
+                    cells.append(f"{med * 1e3:10.3f} {case.kv_bytes / med / 1e9:10.1f} "
+                                 f"{case.kv_bytes / best / 1e9:7.1f}")
+                print(f"{dname:5} {batch:5d} {ctx:5d} {case.kv_bytes / 1e6:7.2f} " + " ".join(cells), flush=True)
+                del case
+
+
+if __name__ == "__main__":
+    main()
