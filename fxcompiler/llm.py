@@ -160,6 +160,10 @@ class LLM:
         if bucket_config is not None and not isinstance(bucket_config, BucketConfig):
             raise TypeError(f"bucket_config must be a ManualBucketConfig or MinimalBucketConfig, "
                             f"got {type(bucket_config).__name__}")
+        if not isinstance(use_blockwise_compile, bool):
+            raise TypeError(f"use_blockwise_compile must be a bool, got {use_blockwise_compile!r}")
+        if artifacts_export_path is not None and not isinstance(artifacts_export_path, (str, os.PathLike)):
+            raise TypeError(f"artifacts_export_path must be a str or os.PathLike, got {type(artifacts_export_path).__name__}")
         self.backend = LLMBackend.parse(backend)
         if self.backend not in (LLMBackend.TORCH_PIPELINE_RUNNER, LLMBackend.MOCK_BACKEND_V2):
             raise ValueError(f"backend={self.backend.name} needs a Furiosa NPU; use TORCH_PIPELINE_RUNNER "
@@ -274,8 +278,6 @@ class LLM:
                                  use_random_weight, seed, trust_remote_code, paged_attention_block_size, options)
         gm, ctx, self.build_info = compile_program(request, loaded, device=self._device, cache_dir=self.cache_dir)
         self.geometry = ctx.geometry  # passes may change it (auto_bfloat16_cast: a bf16 KV cache)
-        if not isinstance(use_blockwise_compile, bool):
-            raise TypeError(f"use_blockwise_compile must be a bool, got {use_blockwise_compile!r}")
         self.num_blocks_per_supertask = num_blocks_per_supertask
         build_options = {**options, "use_blockwise_compile": use_blockwise_compile,
                          "num_blocks_per_supertask": num_blocks_per_supertask}

@@ -207,3 +207,20 @@ def test_cli_build_and_inspect(llama, tmp_path):
     proc = subprocess.run(cmd + ["inspect", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=300)
     assert proc.returncode == 2 and "missing manifest" in proc.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_artifact_round_trip(tmp_path):
+    """The embedded SmolLM2 (fp32): an artifact loaded in a fresh process generates the same greedy tokens."""
+    from fxcompiler.models.sources import DEFAULT_MODEL_ID
+
+    path = tmp_path / "smollm2"
+    llm = LLM(DEFAULT_MODEL_ID, bucket_config=ManualBucketConfig([(1, 64), (4, 64)], [(4, 128)]),
+              max_seq_len_to_capture=128, artifacts_export_path=path)
+    prompts = [llm.tokenizer(t)["input_ids"] for t in ("The capital of France is", "def fibonacci(n):",
+                                                       "Paged attention keeps the KV cache in")]
+    sp = SamplingParams(max_tokens=24, temperature=0)
+    expected = _tokens(llm, prompts, sp)
+    (result,) = load_in_fresh_process([path], prompts, sp.max_tokens)
+    assert result["tokens"] == expected
+    assert result["info"]["compile_cache"] == "artifact"

@@ -47,7 +47,8 @@ def test_device_parsing():
     (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching"),
     (dict(speculative_model="x", num_speculative_tokens=3), NotImplementedError, "speculative"),
     (dict(comp_supertask_kind="edf"), NotImplementedError, "blockwise"),
-    (dict(artifacts_export_path="/tmp/x"), NotImplementedError, "artifacts"),
+    (dict(artifacts_export_path=3), TypeError, "artifacts_export_path"),
+    (dict(use_blockwise_compile="yes"), TypeError, "use_blockwise_compile"),
     (dict(qformat_path="q.yaml"), NotImplementedError, "quantization"),
     (dict(hf_overrides={"a": 1}, config={"b": 2}), ValueError, "hf_overrides"),
 ])
