@@ -163,7 +163,8 @@ def capture(model: torch.nn.Module, *, block_size: int = 16) -> CapturedProgram:
     try:
         geometry = model_geometry(model)
         wrapper = CaptureWrapper(model).eval()
-        args = example_inputs(geometry, block_size=block_size)
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+        args = example_inputs(geometry, block_size=block_size, device=device)  # on the model's device
         t0 = time.perf_counter()
         with torch.no_grad():
             ep = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(geometry.num_layers),
