@@ -220,7 +220,42 @@ def cmd_inspect(args) -> int:
           f"{', '.join(m['parallel']['devices'])}")
     print(f"passes: {' -> '.join(p['pass'] for p in m['passes'])}")
     print(f"files: {len(m['files'])}, {total / 2**20:.1f} MiB")
+    if args.dot:
+        rel = next((r for r in m["pipelines"] if args.pipeline and args.pipeline in r), None) if args.pipeline \
+            else next((r for r in m["pipelines"] if "/decode-" in r), m["pipelines"][0])
+        if rel is None:
+            raise ValueError(f"--pipeline {args.pipeline!r} matches none of {m['pipelines']}")
+        Path(args.dot).write_text(pipeline_dot(json.loads((root / rel).read_text())))
+        print(f"pipeline DAG of {rel} written to {args.dot} (render: dot -Tsvg {args.dot} -o pipeline.svg)")
     return 0
+
+
+def pipeline_dot(data: dict) -> str:
+    """Graphviz DOT of one pipeline: supertasks (kind, device, blob) joined by the tensors they pass."""
+    palette = {"input": "lightgrey", "output": "lightgrey", "fx": "lightblue", "dfg": "palegreen", "edf": "khaki"}
+    lines = [f'digraph "{data["name"]}" {{', "  rankdir=TB; node [shape=box, style=filled, fontname=Helvetica];"]
+    producer = {}
+    for key, task in data["supertasks"].items():
+        for out in task["outputs"]:
+            producer[out] = key
+    for key, task in data["supertasks"].items():
+        label = f"{key}: {task['kind']}"
+        if task.get("device") is not None:
+            label += f"\\ndevice {task['device']}"
+        if task.get("data_blob"):
+            label += f"\\nblob {task['data_blob'][:10]}"
+        params = sum(1 for i in task["inputs"] if data["tensors"].get(i, {}).get("kind") == "param")
+        if params:
+            label += f"\\n{params} params"
+        lines.append(f'  t{key} [label="{label}", fillcolor={palette.get(task["kind"], "white")}];')
+    for key, task in data["supertasks"].items():
+        for name in task["inputs"]:
+            src = producer.get(name)
+            if src is not None and data["tensors"].get(name, {}).get("kind") != "param":
+                t = data["tensors"].get(name, {})
+                lines.append(f'  t{src} -> t{key} [label="{name}\\n{t.get("dtype", "")}{t.get("shape", "")}", fontsize=9];')
+    lines.append("}")
+    return "\n".join(lines) + "\n"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -258,6 +293,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("artifact", metavar="ARTIFACT")
     i.add_argument("--verify", action="store_true", help="also check every file's size and sha256")
     i.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    i.add_argument("--dot", default=None, metavar="FILE", help="write one pipeline's supertask DAG as Graphviz DOT")
+    i.add_argument("--pipeline", default=None, help="which pipeline for --dot (a substring of its file name; "
+                   "default: the first decode pipeline)")
     i.add_argument("-v", "--verbose", action="store_true")
     i.set_defaults(func=cmd_inspect)
     c = sub.add_parser("chat", help="interactive chat with streaming output")

@@ -197,10 +197,13 @@ def test_cli_build_and_inspect(llama, tmp_path):
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pipelines: 2" in proc.stdout
-    proc = subprocess.run(cmd + ["inspect", str(out), "--verify"], capture_output=True, text=True, cwd=ROOT,
-                          env=env, timeout=300)
+    dot = tmp_path / "decode.dot"
+    proc = subprocess.run(cmd + ["inspect", str(out), "--verify", "--dot", str(dot)], capture_output=True, text=True,
+                          cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "graph blobs:" in proc.stdout and "2 pipelines" in proc.stdout and "(2 block(s) per supertask)" in proc.stdout
+    text = dot.read_text()
+    assert text.startswith("digraph") and text.count("->") >= 3 and "fillcolor=lightblue" in text  # input→emb→block→head→output
     proc = subprocess.run(cmd + ["build", str(llama), str(tmp_path / "x"), "-pb", "1,32"], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 2 and "-db/--decode-bucket" in proc.stderr
