@@ -1,8 +1,20 @@
 """Turn a captured program into per-bucket :class:`Pipeline` s: passes, then supertasks.
 
 The captured graph is shape-dynamic, so every bucket's pipeline references the same
-optimised graph blob (one content hash) and the same parameters; the bucket fixes the
-shapes recorded in the pipeline and the padding the runtime applies.
+graph blobs and parameters; the bucket fixes the shapes recorded in the pipeline and the
+padding the runtime applies.
+
+Options (``options``, i.e. ``compiler_config_overrides`` plus what the façade adds):
+
+* ``use_blockwise_compile`` (default ``True``): the optimised graph is cut by
+  :func:`passes.blockwise.partition_blockwise` into ``input → embed → block supertasks →
+  head → output``, with named intermediate tensors (``embed_out<i>``, ``block<g>_out<i>``,
+  ``logits``); structurally identical blocks reference one blob (content hash) and differ
+  only in their parameter bindings and KV-cache inputs. ``False`` (or a graph without a
+  layer structure): one ``fx`` supertask holding the whole graph.
+* ``num_blocks_per_supertask`` (default 1): consecutive blocks per block supertask (the
+  last one may be shorter and then has its own blob).
+* ``num_blocks_per_pp_stage``: recorded in ``Pipeline.metadata`` for pipeline parallelism.
 """
 from __future__ import annotations
 

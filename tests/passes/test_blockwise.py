@@ -200,16 +200,15 @@ def test_blockwise_pipeline_computes_what_the_whole_graph_computes(kind, optimis
             torch.testing.assert_close(fresh[name], cache, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("overrides", [{"num_blocks_per_supertask": 2}])
-def test_llm_greedy_generation_same_with_blockwise_on_and_off(tiny_models, overrides):
+def test_llm_greedy_generation_same_with_blockwise_on_and_off(tiny_models):
     from fxcompiler import LLM, SamplingParams
 
     prompts = [[5, 6, 7, 8, 9], list(range(10, 40)), [3] * 12]
     sp = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
     runs = {}
-    for name, opts in (("on", overrides), ("off", {"use_blockwise_compile": False})):
+    for name, kwargs in (("on", {"num_blocks_per_supertask": 2}), ("off", {"use_blockwise_compile": False})):
         llm = LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None,
-                  compiler_config_overrides={**opts, **NO_TUNER})
+                  compiler_config_overrides=NO_TUNER, **kwargs)
         pipe = llm.pipelines[0]
         assert len(pipe.compute_supertasks()) == (3 if name == "on" else 1)  # 2 layers, 2 per supertask
         outs = llm.generate(None, sp, prompt_token_ids=prompts)
