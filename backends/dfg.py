@@ -19,7 +19,7 @@ from fxcompiler.pipeline import DataBlob, Pipeline, SuperTaskKind
 from . import register_backend
 
 # (blob id, device) -> GraphModule, alive while some executable uses it; blob ids are content hashes.
-_GRAPHS: "weakref.WeakValueDictionary[tuple[str, str], torch.fx.GraphModule]" = weakref.WeakValueDictionary()
+_GRAPHS: weakref.WeakValueDictionary[tuple[str, str], torch.fx.GraphModule] = weakref.WeakValueDictionary()
 
 
 def graph_module_for(blob: DataBlob, device: torch.device) -> torch.fx.GraphModule:
