@@ -6,7 +6,8 @@ Layout (DESIGN §8, documented in docs/artifact-format.md)::
     model/          config.json, generation_config.json, tokenizer files (chat template included)
     params/         params.safetensors (or params.pt): the pipelines' parameters, prepacked
     pipelines/      one JSON per bucket (the supertask DAG)
-    graphs/         <blob-id>.py (+ <blob-id>.constants.safetensors): deduplicated graph blobs
+    graphs/         <blob-id>.py (+ <blob-id>.constants.safetensors) for fx, <blob-id>.onnx for dfg:
+                    deduplicated graph blobs
 
 Writing goes to a temporary sibling directory that is renamed into place, so an
 interrupted export never leaves a half-written artifact. Reading checks the schema,
@@ -117,6 +118,12 @@ def export_artifact(contents: ArtifactContents, path: str | os.PathLike, *, para
         for pipe in contents.pipelines:
             for blob in pipe.blobs.values():
                 if blob.id in blobs:
+                    continue
+                if blob.kind == "dfg":  # an ONNX ModelProto: constants are its initializers
+                    from .dfg import serialize
+
+                    (tmp / "graphs" / f"{blob.id}.onnx").write_bytes(serialize(blob.graph))
+                    blobs[blob.id] = {"kind": "dfg", "code": f"graphs/{blob.id}.onnx"}
                     continue
                 if blob.kind != "fx":
                     raise NotImplementedError(f"exporting {blob.kind!r} graph blobs is not implemented yet")
@@ -254,9 +261,14 @@ def read_artifact(path: str | os.PathLike, *, buckets: list[Bucket] | None = Non
         entry = manifest["graphs"].get(blob_id)
         if entry is None:
             raise ArtifactError(f"{root / MANIFEST}: graph blob {blob_id} is used by a pipeline but not listed")
-        consts = load_tensors(root / entry["constants"], entry.get("constant_aliases", {})) \
-            if entry.get("constants") else {}
         try:
+            if entry["kind"] == "dfg":
+                from .dfg import deserialize
+
+                graphs[blob_id] = deserialize((root / entry["code"]).read_bytes())
+                continue
+            consts = load_tensors(root / entry["constants"], entry.get("constant_aliases", {})) \
+                if entry.get("constants") else {}
             graphs[blob_id] = load_graph_module((root / entry["code"]).read_text(), consts)
         except Exception as exc:  # noqa: BLE001 - named and re-raised
             raise ArtifactError(f"{root / entry['code']}: cannot load graph blob ({type(exc).__name__}: {exc})") from exc

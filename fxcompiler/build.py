@@ -191,8 +191,15 @@ def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str,
           param_saved_format="safetensors") -> BuildResult:
     """Build one pipeline per bucket from an optimised program (params optionally written to a file)."""
     t0 = time.perf_counter()
-    result = build_pipelines(None, buckets, model_name, kind=kind, device=str(device), block_size=block_size,
+    if kind not in ("fx", "dfg"):
+        raise NotImplementedError(f"comp_supertask_kind={kind!r} is not implemented yet (issue 4: edf, an "
+                                  "AOTInductor package per unique block)")
+    result = build_pipelines(None, buckets, model_name, kind="fx", device=str(device), block_size=block_size,
                              options=options, optimised=program)
+    if kind == "dfg":  # the fx blobs as ONNX ModelProtos (one conversion per unique blob)
+        from .dfg import to_dfg_pipelines
+
+        result.pipelines = to_dfg_pipelines(result.pipelines)
     if param_file_path is not None:
         info = save_params(result.params, param_file_path, param_saved_format)
         for p in result.pipelines:
@@ -214,10 +221,13 @@ def start_engine(geometry: ModelGeometry, result: BuildResult, *, prefill_bucket
     compiled: dict[str, Any] = {}
     executables = {}
     for bucket, pipe in by_bucket.items():
-        blob_ids = tuple(sorted(pipe.blobs))
+        kinds = {t.kind.value for _, t in pipe.compute_supertasks()}
+        if len(kinds) != 1:
+            raise NotImplementedError(f"pipeline {pipe.name} mixes supertask kinds {sorted(kinds)}")
+        blob_ids = tuple(sorted(b.id for b in pipe.blobs.values()))
         key = ",".join(blob_ids)
         if key not in compiled:
-            compiled[key] = get_backend("fx", device.type)(pipe, result.params, device)
+            compiled[key] = get_backend(kinds.pop(), device.type)(pipe, result.params, device)
         executables[bucket] = compiled[key]
     g = geometry
     cache = PagedKVCache(g.num_layers, kv.num_blocks, kv.block_size, g.num_kv_heads, g.head_dim, g.dtype, device)

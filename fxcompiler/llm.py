@@ -195,8 +195,8 @@ class LLM:
                             f"{type(kv_cache_sharing_across_beams_config).__name__}")
         self.prefill_chunk_size = resolve_prefill_chunk_size(
             prefill_chunk_size, scheduler_config.prefill_chunk_size, enable_chunked_prefill, max_num_batched_tokens)
-        if comp_supertask_kind in ("dfg", "edf"):
-            raise _later(f"comp_supertask_kind={comp_supertask_kind!r}", "issue 4, blockwise compilation")
+        if comp_supertask_kind == "edf":
+            raise _later("comp_supertask_kind='edf' (AOTInductor packages)", "issue 4, blockwise compilation")
         if num_pipeline_builder_workers != 1 or num_compile_workers != 1:
             raise _later("parallel pipeline building/compilation", "issue 4, blockwise compilation")
         custom = [getattr(b, "bucket", b) for b in _custom_buckets]  # Bucket or BucketWithOutputLogitsSize

@@ -61,7 +61,8 @@ def built(llama, tmp_path_factory):
 
 VARIANTS = {"blockwise": {}, "one-supertask": {"use_blockwise_compile": False},
             "embedded-constants": {"embed_all_constants_into_graph": True},
-            "bf16": {"auto_bfloat16_cast": True, "dtype": "float32"}}
+            "bf16": {"auto_bfloat16_cast": True, "dtype": "float32"},
+            "dfg": {"comp_supertask_kind": "dfg"}}
 
 
 def test_round_trip_in_a_fresh_process(llama, tmp_path):
@@ -80,6 +81,10 @@ def test_round_trip_in_a_fresh_process(llama, tmp_path):
             assert any("constants" in g for g in manifest["graphs"].values())
     results = load_in_fresh_process(paths, PROMPTS, SP.max_tokens)
     assert [r["tokens"] for r in results] == expected
+    names = list(VARIANTS)
+    assert expected[names.index("dfg")] == expected[names.index("blockwise")]  # same weights, ONNX blobs
+    dfg = json.loads((tmp_path / "dfg" / "artifact.json").read_text())
+    assert dfg["supertask_kind"] == ["dfg"] and all(g["code"].endswith(".onnx") for g in dfg["graphs"].values())
     assert all(r["info"]["compile_cache"] == "artifact" for r in results)
 
 
