@@ -6,6 +6,8 @@ ops (one call in all for a single-supertask pipeline).
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from fxcompiler.ops import paged_attention  # noqa: F401  (the graph calls fxc::paged_attention)
@@ -77,7 +79,7 @@ class FxExecutable:
                               and s != self._out_slot))
         self.graph_modules = list(dict.fromkeys(step[0] for step in plan))
         self.graph_module = self.graph_modules[0] if len(plan) == 1 else None
-        self._plan = tuple((step[0].forward, step[1], step[2], step[3], step[4]) for step in plan)
+        self._plan = tuple((step[0].forward, step[1], _getter(step[2]), step[3], step[4]) for step in plan)
         self._num_slots = len(slot)
         self._pad = (None,) * (len(slot) - len(user_names))
         # One supertask reading every user input in order: one call into the graph code.
@@ -89,13 +91,23 @@ class FxExecutable:
             out = self._forward(*self._bound, *user_inputs)
             return out[0] if isinstance(out, (tuple, list)) else out
         slots = [*user_inputs, *self._pad]
-        for forward, bound, ins, outs, dead in self._plan:
-            res = forward(*bound, *[slots[i] for i in ins])
+        for forward, bound, take, outs, dead in self._plan:
+            res = forward(*bound, *take(slots))
             for i, v in zip(outs, res):
                 slots[i] = v
             for i in dead:
                 slots[i] = None
         return slots[self._out_slot]
+
+
+def _getter(indices: tuple[int, ...]):
+    """``slots -> tuple of slots[i] for i in indices`` (C-level itemgetter where possible)."""
+    if len(indices) >= 2:
+        return operator.itemgetter(*indices)
+    if len(indices) == 1:
+        i = indices[0]
+        return lambda slots: (slots[i],)
+    return lambda slots: ()
 
 
 def _topological(comps) -> list:
