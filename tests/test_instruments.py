@@ -42,7 +42,7 @@ def test_compile_command(tiny_models, tmp_path, capsys):
     rc = main(["compile", str(tiny_models["qwen2"]), "--max-seq-len-to-capture", "128", "--dump-dir",
                str(tmp_path)])
     out = capsys.readouterr().out
-    assert rc == 0 and "unique graph blobs: 1" in out and "weight_layout" in out
+    assert rc == 0 and "unique graph blobs: 3" in out and "weight_layout" in out
     assert len(list(tmp_path.glob("*.after.py"))) == len(DEFAULT_PASSES)
 
 

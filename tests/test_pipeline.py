@@ -38,10 +38,16 @@ def test_built_pipelines_are_json_and_share_one_blob(tiny_models):
     llm = LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True)
     assert llm.engine is None
     blobs = {b for p in llm.pipelines for b in p.blobs}
-    assert len(blobs) == 1
+    assert len(blobs) == 3  # blockwise (default): embedding, one block shared by both layers, head
     doc = json.loads(llm.pipelines[0].to_json())
-    kinds = sorted(t["kind"] for t in doc["supertasks"].values())
-    assert kinds == ["fx", "input", "output"]
+    kinds = [t["kind"] for t in doc["supertasks"].values()]
+    assert sorted(kinds) == ["fx"] * 4 + ["input", "output"]
+    blocks = [t["data_blob"] for t in doc["supertasks"].values() if t["kind"] == "fx"][1:-1]
+    assert len(blocks) == 2 and blocks[0] == blocks[1]
+    single = LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True,
+                 use_blockwise_compile=False)
+    assert len({b for p in single.pipelines for b in p.blobs}) == 1
+    assert sorted(t.kind.value for t in single.pipelines[0].supertasks.values()) == ["fx", "input", "output"]
     assert doc["name"].endswith(f"-b{doc['bucket']['batch_size']}-attn{doc['bucket']['attention_size']}")
     params = [t for t in doc["tensors"].values() if t["kind"] == "param"]
     assert params and all(t["dtype"] == dtype_name("torch.float32") for t in params)
