@@ -1,0 +1,129 @@
+"""Supertask kinds side by side on SmolLM2 (fp32, 2 threads, one process, same weights):
+build time cold (export + passes + pipelines + kind conversion) and warm (compile-cache
+hit), unique graph blobs, and batch-1 decode tokens/s per kind next to transformers.
+
+    .venv/bin/python benchmarks/kinds.py [--kinds fx,dfg,edf] [--tokens 64] [--json out.json]
+
+Kinds that are not implemented (or fail to build here) are reported as such, not skipped
+silently. Run it alone on the machine.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PROMPT = "The history of computing is a story of abstractions. Early machines were programmed by"
+
+
+def decode_tok_s(llm, tokens: int, reps: int) -> float:
+    from fxcompiler import SamplingParams
+
+    def run(n):
+        t0 = time.perf_counter()
+        llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - t0
+
+    run(4)
+    rates = []
+    for _ in range(reps):
+        first = run(1)
+        rates.append((tokens - 1) / (run(tokens) - first))
+    return statistics.median(rates)
+
+
+def hf_decode_tok_s(model, tok, tokens: int, reps: int) -> float:
+    ids = tok(PROMPT, return_tensors="pt")
+
+    def run(n):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(**ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                           pad_token_id=tok.pad_token_id or tok.eos_token_id)
+        return time.perf_counter() - t0
+
+    run(4)
+    rates = []
+    for _ in range(reps):
+        first = run(1)
+        rates.append((tokens - 1) / (run(tokens) - first))
+    return statistics.median(rates)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--kinds", default="fx,dfg,edf")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--max-seq-len-to-capture", type=int, default=512)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(2)
+    from fxcompiler import LLM
+    from fxcompiler.models.sources import DEFAULT_MODEL_ID
+
+    common = dict(max_seq_len_to_capture=args.max_seq_len_to_capture)
+    rows = {}
+    for kind in args.kinds.split(","):
+        row: dict = {}
+        try:
+            os.environ["FXCOMPILER_COMPILE_CACHE"] = "0"
+            t0 = time.perf_counter()
+            llm = LLM(DEFAULT_MODEL_ID, comp_supertask_kind=kind, skip_engine=True, **common)
+            row["build_cold_s"] = time.perf_counter() - t0
+            del llm
+            gc.collect()
+            os.environ.pop("FXCOMPILER_COMPILE_CACHE")
+            LLM(DEFAULT_MODEL_ID, comp_supertask_kind=kind, skip_engine=True, **common)  # fill the cache
+            t0 = time.perf_counter()
+            llm = LLM(DEFAULT_MODEL_ID, comp_supertask_kind=kind, **common)
+            row["build_warm_s"] = time.perf_counter() - t0
+            row["compile_cache"] = llm.build_info["compile_cache"]
+            row["unique_blobs"] = len({b.id for p in llm.pipelines for b in p.blobs.values()})
+            row["supertasks_per_pipeline"] = len(llm.pipelines[0].compute_supertasks())
+            row["decode_tok_s"] = decode_tok_s(llm, args.tokens, args.reps)
+            del llm
+            gc.collect()
+        except NotImplementedError as exc:
+            row = {"status": f"not implemented: {exc}"}
+        except Exception as exc:  # noqa: BLE001 - reported, the other kinds still run
+            row = {"status": f"failed: {type(exc).__name__}: {str(exc)[:300]}"}
+        rows[kind] = row
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from fxcompiler.llm import CACHE_DIR
+    from fxcompiler.models.loader import model_directory
+    from fxcompiler.models.sources import resolve_model_source
+
+    model_dir = model_directory(resolve_model_source(DEFAULT_MODEL_ID), CACHE_DIR)
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    hf_rate = hf_decode_tok_s(hf, tok, args.tokens, args.reps)
+    print(f"transformers batch-1 decode: {hf_rate:.1f} tok/s")
+    for kind, row in rows.items():
+        if "decode_tok_s" in row:
+            row["ratio_vs_transformers"] = row["decode_tok_s"] / hf_rate
+            print(f"{kind:4s} cold {row['build_cold_s']:6.1f} s  warm {row['build_warm_s']:5.1f} s "
+                  f"({row['compile_cache']})  blobs {row['unique_blobs']} ({row['supertasks_per_pipeline']} "
+                  f"supertasks/pipeline)  decode {row['decode_tok_s']:5.1f} tok/s = "
+                  f"{row['ratio_vs_transformers']:.2f}x transformers")
+        else:
+            print(f"{kind:4s} {row['status']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"transformers_decode_tok_s": hf_rate, "kinds": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
