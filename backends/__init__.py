@@ -15,7 +15,7 @@ def register_backend(kind: str, device_kind: str):
 
 
 def get_backend(kind: str, device_kind: str):
-    from . import dfg, fx  # noqa: F401  (registers the built-in backends)
+    from . import dfg, edf, fx  # noqa: F401  (registers the built-in backends)
 
     try:
         return BACKENDS[(kind, device_kind)]

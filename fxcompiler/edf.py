@@ -1,0 +1,350 @@
+"""``edf`` supertasks: a compute graph compiled into an AOTInductor package (DESIGN §5).
+
+:func:`to_edf_pipelines` turns the fx compute supertasks of built pipelines into ``edf``
+ones: each unique fx blob (identical transformer blocks share one) is
+
+1. rewritten to plain ATen: every ``fxc::*`` node (``paged_attention``, ``rms_norm``,
+   ``silu_mul``, ``rope``, ``linear``, ``linear_w8``) calls its ATen reference from
+   ``fxcompiler/ops`` instead (AOTInductor cannot call our Python-registered ops; the
+   references are exactly what the ops compute where no device kernel is installed);
+2. exported with ``torch.export.export`` (non-strict), every placeholder a graph input —
+   weights included, so one package serves every block that shares the blob — and every
+   symbolic dim of the blob (batch, tokens, blocks...) a named ``Dim``, so one package
+   serves every bucket;
+3. compiled with ``torch._inductor.aoti_compile_and_package`` into
+   ``<cache_dir>/edf/<key>.pt2``. ``key`` (:func:`package_key`) hashes the graph code and
+   placeholder shapes, the device kind, the torch version and the sources this module
+   rewrites with, so a second conversion finds the package and compiles nothing.
+
+The paged KV-cache write (``index_copy_`` into views of the ``k_cache``/``v_cache`` inputs)
+stays an input mutation: the compiled package updates the caller's cache tensors in place,
+as the fx graph does.
+
+An edf :class:`~fxcompiler.pipeline.DataBlob` holds an :class:`EdfPackage` (the ``.pt2``
+path and its key; blob id = ``key[:20]``); ``backends/edf.py`` loads it with
+``torch._inductor.aoti_load_package``. :func:`serialize` / :func:`deserialize` give the
+package bytes for artifacts.
+"""
+from __future__ import annotations
+
+import atexit
+import copy
+import dataclasses
+import hashlib
+import importlib
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .pipeline import DataBlob, Pipeline, SuperTaskKind
+
+FORMAT = "fxcompiler-edf/1"
+PACKAGE_SUFFIX = ".pt2"
+_REF_MODULES = ("fxcompiler.ops.fused", "fxcompiler.ops.paged_attention", "fxcompiler.ops.linear")
+
+
+class EdfCompileError(RuntimeError):
+    """An fx blob could not be compiled into an AOTInductor package (no C++ compiler, export or
+    compile failure); the message names the blob."""
+
+
+@dataclasses.dataclass(frozen=True)
+class EdfPackage:
+    """A compiled edf blob: the AOTInductor package file and the key it was compiled under."""
+
+    path: str
+    key: str
+    device_type: str = "cpu"
+
+    def read_bytes(self) -> bytes:
+        return Path(self.path).read_bytes()
+
+
+# --------------------------------------------------------------------------- fxc ops -> ATen
+
+
+def _references() -> dict[Any, Any]:
+    import fxcompiler.ops  # noqa: F401  (registers the fxc namespace)
+
+    fused = importlib.import_module("fxcompiler.ops.fused")
+    pa = importlib.import_module("fxcompiler.ops.paged_attention")
+    lin = importlib.import_module("fxcompiler.ops.linear")
+    ops = torch.ops.fxc
+    return {
+        ops.paged_attention.default: pa.paged_attention_reference,
+        ops.rms_norm.default: fused.rms_norm_reference,
+        ops.silu_mul.default: fused.silu_mul_reference,
+        ops.rope.default: fused.rope_reference,
+        ops.linear.default: lin.linear_reference,
+        ops.linear_w8.default: lin.linear_w8_reference,
+    }
+
+
+def aten_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` whose ``fxc::*`` nodes call their ATen references (Python functions
+    that export traces to ATen ops). Raises ``EdfCompileError`` for an fxc op without one."""
+    refs = _references()
+    graph = copy.deepcopy(gm.graph)
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        target = node.target
+        if target in refs:
+            node.target = refs[target]
+        elif isinstance(target, torch._ops.OpOverload) and target.namespace == "fxc":
+            raise EdfCompileError(f"edf: graph node {node.name!r} calls {target}, which has no ATen reference "
+                                  "that AOTInductor could compile")
+    return torch.fx.GraphModule(gm, graph, class_name="EdfAtenGraph")
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _placeholders(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in phs:
+        if not isinstance(n.meta.get("val"), torch.Tensor):
+            raise EdfCompileError(f"edf: placeholder {n.name!r} has no tensor meta['val'] (restore the blob's "
+                                  "meta with fxcompiler.graph_io.restore_meta first); only tensor inputs compile")
+    return phs
+
+
+def _symbol(dim) -> str | None:
+    if isinstance(dim, torch.SymInt):
+        expr = dim.node.expr
+        if not getattr(expr, "is_Integer", False):
+            return str(expr)
+    return None
+
+
+def export_inputs(gm: torch.fx.GraphModule, device: torch.device, auto: bool = False):
+    """Example inputs (zeros, every symbolic dim at least 2 so export does not specialise it)
+    and ``dynamic_shapes`` for :func:`torch.export.export` from the placeholders' ``meta['val']``.
+    A placeholder dim that is a plain symbol becomes the named ``Dim`` of that symbol (shared by
+    every input that has it); one that is an expression, or every symbolic dim with ``auto``,
+    becomes ``Dim.AUTO``."""
+    from torch.export import Dim
+
+    dims: dict[str, Any] = {}
+    args, shapes = [], []
+    for n in _placeholders(gm):
+        val = n.meta["val"]
+        shape, spec = [], {}
+        for i, d in enumerate(val.shape):
+            name = _symbol(d)
+            if name is None:
+                shape.append(int(d))
+                continue
+            hint = d.node.hint if hasattr(d.node, "hint") else None
+            shape.append(max(2, int(hint)) if isinstance(hint, int) else 2)
+            if auto or not name.isidentifier():
+                spec[i] = Dim.AUTO
+            else:
+                spec[i] = dims.setdefault(name, Dim(name, min=1))
+        args.append(torch.zeros(shape, dtype=val.dtype, device=device))
+        shapes.append(spec or None)
+    return tuple(args), tuple(shapes)
+
+
+def _export(gm: torch.fx.GraphModule, device: torch.device):
+    aten = aten_graph_module(gm)
+    args, shapes = export_inputs(gm, device)
+    try:
+        return torch.export.export(aten, args, dynamic_shapes=shapes, strict=False)
+    except torch._dynamo.exc.UserError:
+        # Named dims the trace relates to each other (a guard export wants expressed): let it infer.
+        args, shapes = export_inputs(gm, device, auto=True)
+        return torch.export.export(aten, args, dynamic_shapes=shapes, strict=False)
+
+
+# --------------------------------------------------------------------------- keys and compilation
+
+
+def _sources_fingerprint() -> str:
+    h = hashlib.sha256()
+    for name in (__name__, *_REF_MODULES):
+        mod = importlib.import_module(name)
+        h.update(name.encode())
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()
+
+
+def package_key(gm: torch.fx.GraphModule, device: torch.device | str = "cpu") -> str:
+    """Content key of the package compiled from ``gm`` for ``device``'s kind (sha256 hex): graph
+    code, placeholder shapes/dtypes, constants, device kind, torch version, this module's and the
+    op references' sources."""
+    from .graph_io import graph_constants, graph_module_source
+
+    h = hashlib.sha256()
+    h.update(f"{FORMAT}\nedf\n{torch.__version__}\n{torch.device(device).type}\n".encode())
+    h.update(_sources_fingerprint().encode())
+    h.update(graph_module_source(gm).encode())
+    for n in _placeholders(gm):
+        v = n.meta["val"]
+        h.update(f"{n.name}:{v.dtype}:{[str(d) for d in v.shape]}\n".encode())
+    for name, t in sorted(graph_constants(gm).items()):
+        h.update(f"{name}:{t.dtype}:{list(t.shape)}\n".encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _check_compiler() -> None:
+    """Raise :class:`EdfCompileError` unless AOTInductor finds a C++ compiler here."""
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+    except ImportError:  # another torch layout: look for the usual names ourselves
+        get_cpp_compiler = None
+    hint = "Install g++ (or point CXX / torch._inductor.config.cpp.cxx at one), or use comp_supertask_kind='fx'"
+    if get_cpp_compiler is not None:
+        try:
+            cxx = get_cpp_compiler()
+        except Exception as exc:  # torch raises InvalidCxxCompiler when it finds none
+            raise EdfCompileError(f"edf supertasks need a C++ compiler for AOTInductor; none found "
+                                  f"({type(exc).__name__}: {str(exc).strip()[:300]}). {hint}") from exc
+    else:
+        cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None and not os.path.isfile(cxx):
+        raise EdfCompileError(f"edf supertasks need a C++ compiler for AOTInductor; {cxx!r} is not on PATH. {hint}")
+
+
+def compile_package(gm: torch.fx.GraphModule, path: str | os.PathLike, device: torch.device | str = "cpu",
+                    *, name: str = "") -> Path:
+    """Export ``gm`` (fxc ops as ATen references, weights as inputs, dynamic dims) and compile it
+    with AOTInductor into the package file ``path`` (written atomically)."""
+    _check_compiler()
+    device = torch.device(device)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    label = name or path.stem
+    try:
+        ep = _export(gm, device)
+    except EdfCompileError:
+        raise
+    except Exception as exc:
+        raise EdfCompileError(f"edf: torch.export of blob {label} failed: {type(exc).__name__}: {exc}") from exc
+    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{PACKAGE_SUFFIX}")
+    try:
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+        os.replace(tmp, path)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        raise EdfCompileError(f"edf: AOTInductor compilation of blob {label} failed: "
+                              f"{type(exc).__name__}: {str(exc)[:2000]}") from exc
+    return path
+
+
+_TEMP_DIRS: list[str] = []
+
+
+def _default_cache_dir() -> Path:
+    """Packages of a conversion without a cache_dir: a process-lifetime temporary directory."""
+    if not _TEMP_DIRS:
+        _TEMP_DIRS.append(tempfile.mkdtemp(prefix="fxcompiler-edf-"))
+        atexit.register(shutil.rmtree, _TEMP_DIRS[0], True)
+    return Path(_TEMP_DIRS[0])
+
+
+def package_dir(cache_dir: str | os.PathLike | None) -> Path:
+    """Where packages live: ``<cache_dir>/edf``."""
+    return (Path(cache_dir) if cache_dir is not None else _default_cache_dir()) / "edf"
+
+
+def to_edf_blob(blob: DataBlob, cache_dir: str | os.PathLike | None, device: torch.device | str = "cpu",
+                stats: dict | None = None) -> DataBlob:
+    """The edf DataBlob of an fx blob: its package from ``<cache_dir>/edf/<key>.pt2``, compiled
+    there first when missing. ``stats`` (optional) counts ``compiled``/``cached`` and sums
+    ``compile_s``."""
+    if blob.kind != "fx" or not isinstance(blob.graph, torch.fx.GraphModule):
+        raise ValueError(f"blob {blob.id} is a {blob.kind!r} blob holding {type(blob.graph).__name__}; "
+                         "to_edf converts fx blobs with their GraphModule")
+    device = torch.device(device)
+    key = package_key(blob.graph, device)
+    path = package_dir(cache_dir) / f"{key}{PACKAGE_SUFFIX}"
+    if path.is_file():
+        _count(stats, "cached")
+    else:
+        t0 = time.perf_counter()
+        compile_package(blob.graph, path, device, name=f"fx:{blob.id}")
+        _count(stats, "compiled", time.perf_counter() - t0)
+    return DataBlob(key[:20], "edf", EdfPackage(str(path), key, device.type))
+
+
+def _count(stats: dict | None, what: str, seconds: float = 0.0) -> None:
+    if stats is not None:
+        stats[what] = stats.get(what, 0) + 1
+        stats["compile_s"] = stats.get("compile_s", 0.0) + seconds
+
+
+def _device_of(pipeline: Pipeline, task) -> torch.device:
+    dev = pipeline.devices.get(task.device) if task.device is not None else None
+    if dev is None and len(set(pipeline.devices.values())) == 1:
+        dev = next(iter(pipeline.devices.values()))
+    return torch.device("cpu" if dev is None else str(dev))
+
+
+def to_edf_pipeline(pipeline: Pipeline, cache_dir: str | os.PathLike | None,
+                    cache: dict[tuple[str, str], DataBlob] | None = None, *,
+                    device: torch.device | str | None = None, stats: dict | None = None) -> Pipeline:
+    """``pipeline`` with every fx compute supertask turned into an edf one (see :func:`to_edf_blob`).
+
+    ``cache``: (fx blob id, device type) → edf DataBlob, shared by a model's pipelines so each
+    unique blob is compiled (or looked up) once. ``device``: what to compile for (default: the
+    supertask's device in ``pipeline.devices``, else CPU). Non-fx supertasks, tensors, params and
+    metadata are kept (copied)."""
+    cache = {} if cache is None else cache
+    supertasks, blobs = {}, {}
+    for key, task in pipeline.supertasks.items():
+        if task.kind is SuperTaskKind.FX:
+            dev = torch.device(device) if device is not None else _device_of(pipeline, task)
+            ck = (task.data_blob, dev.type)
+            if ck not in cache:
+                cache[ck] = to_edf_blob(pipeline.blobs[task.data_blob], cache_dir, dev, stats)
+            new = cache[ck]
+            blobs[new.id] = new
+            supertasks[key] = dataclasses.replace(task, kind=SuperTaskKind.EDF, data_blob=new.id,
+                                                  inputs=list(task.inputs), outputs=list(task.outputs),
+                                                  metadata=dict(task.metadata))
+        else:
+            supertasks[key] = dataclasses.replace(task, inputs=list(task.inputs), outputs=list(task.outputs),
+                                                  metadata=dict(task.metadata))
+            if task.data_blob is not None and task.data_blob in pipeline.blobs:
+                blobs[task.data_blob] = pipeline.blobs[task.data_blob]
+    return dataclasses.replace(pipeline, supertasks=supertasks, blobs=blobs, tensors=dict(pipeline.tensors),
+                               devices=dict(pipeline.devices), param_files=dict(pipeline.param_files),
+                               metadata=dict(pipeline.metadata))
+
+
+def to_edf_pipelines(pipelines: list[Pipeline], cache_dir: str | os.PathLike | None, *,
+                     device: torch.device | str | None = None, stats: dict | None = None) -> list[Pipeline]:
+    """:func:`to_edf_pipeline` over a model's pipelines, compiling each shared blob once
+    (packages under ``<cache_dir>/edf``; ``cache_dir=None``: a temporary directory for this
+    process). Raises :class:`EdfCompileError` when a blob cannot be compiled (e.g. no C++
+    compiler)."""
+    cache: dict[tuple[str, str], DataBlob] = {}
+    return [to_edf_pipeline(p, cache_dir, cache, device=device, stats=stats) for p in pipelines]
+
+
+# --------------------------------------------------------------------------- artifacts
+
+
+def serialize(package: EdfPackage) -> bytes:
+    """Bytes of an edf blob's package (the ``.pt2`` zip) for artifacts."""
+    return package.read_bytes()
+
+
+def deserialize(data: bytes, key: str, cache_dir: str | os.PathLike | None = None,
+                device_type: str = "cpu") -> EdfPackage:
+    """An :class:`EdfPackage` from :func:`serialize` bytes: written to ``<cache_dir>/edf/<key>.pt2``
+    (kept when already there)."""
+    path = package_dir(cache_dir) / f"{key}{PACKAGE_SUFFIX}"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{PACKAGE_SUFFIX}")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return EdfPackage(str(path), key, device_type)

@@ -1,0 +1,96 @@
+"""edf supertasks: fx blobs compiled into AOTInductor packages (fxcompiler/edf.py, backends/edf.py).
+
+One tiny 2-layer Llama, one prefill and one decode bucket: 3 unique blobs (embedding, block,
+head), each compiled once (~10-20 s each with g++ on this machine; the first AOTInductor
+compile in a fresh inductor cache also builds its precompiled header, ~40 s), so the file is
+marked slow (the missing-compiler test is fast).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fxcompiler import testing
+from fxcompiler.pipeline import SuperTaskKind
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    from fxcompiler import LLM, ManualBucketConfig
+    from fxcompiler.edf import to_edf_pipelines
+    from tests.conftest import save_tiny_model
+
+    root = tmp_path_factory.mktemp("edf")
+    path = save_tiny_model(root / "llama", "llama", num_hidden_layers=2)
+    llm = LLM(str(path), max_seq_len_to_capture=32, cache_dir=None, skip_engine=True,
+              bucket_config=ManualBucketConfig([(1, 16)], [(2, 32)]))
+    cache_dir = root / "cache"
+    stats: dict = {}
+    edf_pipes = to_edf_pipelines(llm.pipelines, cache_dir, stats=stats)
+    return llm, edf_pipes, cache_dir, stats
+
+
+@pytest.mark.slow
+def test_edf_logits_match_fx_and_blocks_compile_once(built):
+    from backends import get_backend
+    from fxcompiler.edf import EdfPackage
+
+    llm, edf_pipes, cache_dir, stats = built
+    pipes = llm.pipelines
+    fx_blobs = {b for p in pipes for b in p.blobs}
+    assert len(fx_blobs) == 3  # embedding, one block blob shared by both layers and both buckets, head
+    assert stats["compiled"] == 3 and stats.get("cached", 0) == 0
+    assert len(list((Path(cache_dir) / "edf").glob("*.pt2"))) == 3
+    for p, e in zip(pipes, edf_pipes):
+        assert [t.kind for t in e.supertasks.values()] == [
+            SuperTaskKind.EDF if t.kind is SuperTaskKind.FX else t.kind for t in p.supertasks.values()]
+        assert all(isinstance(b.graph, EdfPackage) and b.kind == "edf" for b in e.blobs.values())
+        blocks = [t.data_blob for t in e.supertasks.values() if t.kind is SuperTaskKind.EDF][1:-1]
+        assert len(blocks) == 2 and len(set(blocks)) == 1
+    assert {p.bucket.is_prefill for p in pipes} == {True, False}
+    for p, e in zip(pipes, edf_pipes):
+        fx_exe = get_backend("fx", "cpu")(p, llm._build.params, torch.device("cpu"))
+        edf_exe = get_backend("edf", "cpu")(e, llm._build.params, torch.device("cpu"))
+        assert edf_exe.user_inputs == fx_exe.user_inputs
+        b = p.bucket
+        tb = testing.TestBucket(b.batch_size, b.input_ids_size, b.kv_cache_size, p.metadata["block_size"])
+        inputs = testing.inputs_for_geometry(llm.geometry, tb)
+        targets = p.metadata["inputs"]
+        args_fx = [inputs[targets[n]].clone() for n in fx_exe.user_inputs]
+        args_edf = [inputs[targets[n]].clone() for n in edf_exe.user_inputs]
+        with torch.inference_mode():
+            out_fx, out_edf = fx_exe(*args_fx), edf_exe(*args_edf)
+        assert out_edf.shape == out_fx.shape
+        torch.testing.assert_close(out_edf, out_fx, atol=1e-5, rtol=1e-5)
+        for a, c, orig in zip(args_fx, args_edf, (inputs[targets[n]] for n in fx_exe.user_inputs)):
+            torch.testing.assert_close(c, a, atol=1e-5, rtol=1e-5)  # KV caches written in place alike
+        assert any(not torch.equal(a, o) for a, o in zip(args_edf, (inputs[targets[n]] for n in edf_exe.user_inputs)))
+    with pytest.raises(NotImplementedError, match="edf compute supertasks"):
+        get_backend("edf", "cpu")(pipes[0], llm._build.params, torch.device("cpu"))
+
+
+@pytest.mark.slow
+def test_edf_second_conversion_hits_the_cache(built):
+    from fxcompiler.edf import to_edf_pipelines
+
+    llm, edf_pipes, cache_dir, _ = built
+    stats: dict = {}
+    again = to_edf_pipelines(llm.pipelines, cache_dir, stats=stats)
+    assert stats.get("compiled", 0) == 0 and stats["cached"] == 3
+    assert [sorted(p.blobs) for p in again] == [sorted(p.blobs) for p in edf_pipes]
+    assert [b.graph for p in again for b in p.blobs.values()] == [b.graph for p in edf_pipes for b in p.blobs.values()]
+
+
+def test_edf_without_a_cxx_compiler_raises_a_clear_error(monkeypatch, tmp_path):
+    import torch._inductor.config as inductor_config
+
+    from fxcompiler.edf import EdfCompileError, compile_package
+
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("fxc-no-such-cxx",))
+    monkeypatch.delenv("CXX", raising=False)
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(EdfCompileError, match="need a C.. compiler"):
+        compile_package(gm, tmp_path / "x.pt2")
+    assert not list(tmp_path.iterdir())
