@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from .compile_cache import load_tensors, save_tensors
-from .graph_io import graph_constants, graph_module_source, load_graph_module
+from .graph_io import graph_constants, graph_module_source, load_graph_module, placeholder_signature
 from .pipeline import Bucket, Pipeline, pipeline_from_dict
 
 log = logging.getLogger("fxcompiler.artifacts")
@@ -81,6 +81,7 @@ class ArtifactContents:
     passes: list[dict] = field(default_factory=list)
     manifest: dict[str, Any] = field(default_factory=dict)
     model_dir: Path | None = None
+    source_graphs: dict[str, Any] = field(default_factory=dict)  # edf blob id -> its fx graph (to recompile)
 
 
 def export_artifact(contents: ArtifactContents, path: str | os.PathLike, *, param_saved_format: str = "safetensors"
@@ -118,6 +119,23 @@ def export_artifact(contents: ArtifactContents, path: str | os.PathLike, *, para
         for pipe in contents.pipelines:
             for blob in pipe.blobs.values():
                 if blob.id in blobs:
+                    continue
+                if blob.kind == "edf":  # an AOTInductor package, plus the fx graph it was compiled from
+                    from .edf import serialize as edf_bytes
+
+                    (tmp / "graphs" / f"{blob.id}.pt2").write_bytes(edf_bytes(blob.graph))
+                    entry = {"kind": "edf", "code": f"graphs/{blob.id}.pt2", "key": blob.graph.key,
+                             "device_type": blob.graph.device_type}
+                    source = contents.source_graphs.get(blob.id)
+                    if source is not None:
+                        entry["source"] = f"graphs/{blob.id}.py"
+                        entry["signature"] = placeholder_signature(source)
+                        (tmp / entry["source"]).write_text(graph_module_source(source))
+                        consts = graph_constants(source)
+                        if consts:
+                            entry["constants"] = f"graphs/{blob.id}.constants.safetensors"
+                            entry["constant_aliases"] = save_tensors(consts, tmp / entry["constants"])
+                    blobs[blob.id] = entry
                     continue
                 if blob.kind == "dfg":  # an ONNX ModelProto: constants are its initializers
                     from .dfg import serialize
@@ -221,8 +239,8 @@ def verify_files(root: Path, manifest: dict[str, Any]) -> None:
             raise ArtifactError(f"{f}: sha256 differs from {MANIFEST} (the file was modified)")
 
 
-def read_artifact(path: str | os.PathLike, *, buckets: list[Bucket] | None = None, verify: bool = True
-                  ) -> ArtifactContents:
+def read_artifact(path: str | os.PathLike, *, buckets: list[Bucket] | None = None, verify: bool = True,
+                  cache_dir: str | os.PathLike | None = None) -> ArtifactContents:
     """Load an artifact (the pipelines of ``buckets`` only, when given: they must exist in it)."""
     from transformers import AutoConfig, GenerationConfig
 
@@ -267,6 +285,9 @@ def read_artifact(path: str | os.PathLike, *, buckets: list[Bucket] | None = Non
 
                 graphs[blob_id] = deserialize((root / entry["code"]).read_bytes())
                 continue
+            if entry["kind"] == "edf":
+                graphs[blob_id] = _edf_package(root, entry, versions, cache_dir)
+                continue
             consts = load_tensors(root / entry["constants"], entry.get("constant_aliases", {})) \
                 if entry.get("constants") else {}
             graphs[blob_id] = load_graph_module((root / entry["code"]).read_text(), consts)
@@ -301,3 +322,28 @@ def read_artifact(path: str | os.PathLike, *, buckets: list[Bucket] | None = Non
     return ArtifactContents(manifest["model"]["id"], config, generation_config, None, pipelines, params,
                             ModelGeometry(**g), dict(manifest["settings"]), list(manifest.get("passes", [])),
                             manifest, model_dir)
+
+
+def _edf_package(root: Path, entry: dict, versions: dict, cache_dir):
+    """The artifact's AOTInductor package, or (announced) a recompilation of its fx source when
+    the package was built by another torch version (packages are tied to the torch ABI)."""
+    from . import edf
+
+    if versions.get("torch") == torch.__version__:
+        return edf.deserialize((root / entry["code"]).read_bytes(), entry["key"], cache_dir, entry["device_type"])
+    if "source" not in entry:
+        raise ArtifactError(f"{root / entry['code']}: built by torch {versions.get('torch')} (this is "
+                            f"{torch.__version__}) and the artifact has no fx source to recompile it from")
+    consts = load_tensors(root / entry["constants"], entry.get("constant_aliases", {})) if entry.get("constants") else {}
+    gm = load_graph_module((root / entry["source"]).read_text(), consts)
+    log.warning("recompiling edf package %s for torch %s (the artifact's was built by torch %s)",
+                entry["code"], torch.__version__, versions.get("torch"))
+    from .graph_io import restore_meta
+    from .pipeline import DataBlob
+
+    if entry.get("signature") is None:
+        raise ArtifactError(f"{root / entry['source']}: no placeholder signature to recompile the edf package from")
+    restore_meta(gm, entry["signature"])
+
+    blob = DataBlob(Path(entry["code"]).stem, "fx", gm)
+    return edf.to_edf_blob(blob, cache_dir, entry["device_type"]).graph

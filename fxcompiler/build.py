@@ -188,18 +188,30 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
 
 def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str, buckets: list[Bucket], *,
           block_size: int, device: torch.device, kind: str, options: dict[str, Any], param_file_path=None,
-          param_saved_format="safetensors") -> BuildResult:
+          param_saved_format="safetensors", cache_dir=None) -> BuildResult:
     """Build one pipeline per bucket from an optimised program (params optionally written to a file)."""
     t0 = time.perf_counter()
-    if kind not in ("fx", "dfg"):
-        raise NotImplementedError(f"comp_supertask_kind={kind!r} is not implemented yet (issue 4: edf, an "
-                                  "AOTInductor package per unique block)")
+    if kind not in ("fx", "dfg", "edf"):
+        raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {kind!r}")
     result = build_pipelines(None, buckets, model_name, kind="fx", device=str(device), block_size=block_size,
                              options=options, optimised=program)
+    result.source_graphs = {}  # converted blob id -> the fx graph it came from (artifacts keep both)
     if kind == "dfg":  # the fx blobs as ONNX ModelProtos (one conversion per unique blob)
         from .dfg import to_dfg_pipelines
 
         result.pipelines = to_dfg_pipelines(result.pipelines)
+    elif kind == "edf":  # one AOTInductor package per unique blob, cached in cache_dir/edf
+        from .edf import to_edf_pipelines
+
+        fx_pipelines = result.pipelines
+        stats: dict = {}
+        result.pipelines = to_edf_pipelines(fx_pipelines, cache_dir, stats=stats)
+        for fx_pipe, edf_pipe in zip(fx_pipelines, result.pipelines):
+            for key, task in edf_pipe.supertasks.items():
+                if task.data_blob is not None:
+                    fx_blob = fx_pipe.blobs[fx_pipe.supertasks[key].data_blob]
+                    result.source_graphs[task.data_blob] = fx_blob.graph
+        log.info("edf: %s", stats)
     if param_file_path is not None:
         info = save_params(result.params, param_file_path, param_saved_format)
         for p in result.pipelines:

@@ -178,12 +178,14 @@ def package_key(gm: torch.fx.GraphModule, device: torch.device | str = "cpu") ->
     """Content key of the package compiled from ``gm`` for ``device``'s kind (sha256 hex): graph
     code, placeholder shapes/dtypes, constants, device kind, torch version, this module's and the
     op references' sources."""
-    from .graph_io import graph_constants, graph_module_source
+    from .graph_io import graph_constants, graph_module_source, load_graph_module
 
     h = hashlib.sha256()
     h.update(f"{FORMAT}\nedf\n{torch.__version__}\n{torch.device(device).type}\n".encode())
     h.update(_sources_fingerprint().encode())
-    h.update(graph_module_source(gm).encode())
+    # The code of the graph as loading it back gives it (node names are re-derived by the
+    # tracer), so a graph rebuilt from an artifact's fx source has the key of the original.
+    h.update(graph_module_source(load_graph_module(graph_module_source(gm), graph_constants(gm))).encode())
     for n in _placeholders(gm):
         v = n.meta["val"]
         h.update(f"{n.name}:{v.dtype}:{[str(d) for d in v.shape]}\n".encode())

@@ -195,8 +195,6 @@ class LLM:
                             f"{type(kv_cache_sharing_across_beams_config).__name__}")
         self.prefill_chunk_size = resolve_prefill_chunk_size(
             prefill_chunk_size, scheduler_config.prefill_chunk_size, enable_chunked_prefill, max_num_batched_tokens)
-        if comp_supertask_kind == "edf":
-            raise _later("comp_supertask_kind='edf' (AOTInductor packages)", "issue 4, blockwise compilation")
         if num_pipeline_builder_workers != 1 or num_compile_workers != 1:
             raise _later("parallel pipeline building/compilation", "issue 4, blockwise compilation")
         custom = [getattr(b, "bucket", b) for b in _custom_buckets]  # Bucket or BucketWithOutputLogitsSize
@@ -284,7 +282,7 @@ class LLM:
         self._build = build(
             (gm, ctx), self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
             kind=self.comp_supertask_kind, options=build_options, param_file_path=param_file_path,
-            param_saved_format=param_saved_format)
+            param_saved_format=param_saved_format, cache_dir=self.cache_dir)
         self.pipelines = self._build.pipelines
         self.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in self.pipelines]
         self.kv_cache_plan = plan_kv_cache(
@@ -312,7 +310,8 @@ class LLM:
         }
         passes = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in self.pass_history]
         contents = ArtifactContents(self.model_id, self.model_config, self.generation_config, self.tokenizer,
-                                    self.pipelines, self._build.params, self.geometry, settings, passes)
+                                    self.pipelines, self._build.params, self.geometry, settings, passes,
+                                    source_graphs=getattr(self._build, "source_graphs", {}))
         return export_artifact(contents, path, param_saved_format=param_saved_format)
 
     def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config) -> None:
@@ -635,7 +634,7 @@ class LLM:
             raise ValueError("bucket_config must keep at least one prefill and one decode bucket")
         extra = [b for b in built_all if b not in built_prefill and b not in built_decode]  # chunk buckets
         buckets = list(dict.fromkeys(prefill + decode + extra))
-        contents = read_artifact(path, buckets=buckets)
+        contents = read_artifact(path, buckets=buckets, cache_dir=cache_dir)
 
         if seed is not None:
             from transformers import set_seed

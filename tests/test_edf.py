@@ -26,6 +26,7 @@ def built(tmp_path_factory):
     path = save_tiny_model(root / "llama", "llama", num_hidden_layers=2)
     llm = LLM(str(path), max_seq_len_to_capture=32, cache_dir=None, skip_engine=True,
               bucket_config=ManualBucketConfig([(1, 16)], [(2, 32)]))
+    llm.test_model_path = path
     cache_dir = root / "cache"
     stats: dict = {}
     edf_pipes = to_edf_pipelines(llm.pipelines, cache_dir, stats=stats)
@@ -88,9 +89,42 @@ def test_edf_without_a_cxx_compiler_raises_a_clear_error(monkeypatch, tmp_path):
 
     from fxcompiler.edf import EdfCompileError, compile_package
 
-    monkeypatch.setattr(inductor_config.cpp, "cxx", ("fxc-no-such-cxx",))
     monkeypatch.delenv("CXX", raising=False)
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    with pytest.raises(EdfCompileError, match="need a C.. compiler"):
-        compile_package(gm, tmp_path / "x.pt2")
+    with inductor_config.patch({"cpp.cxx": ("fxc-no-such-cxx",)}):  # restored on exit (monkeypatch would not)
+        with pytest.raises(EdfCompileError, match="need a C.. compiler"):
+            compile_package(gm, tmp_path / "x.pt2")
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_llm_edf_generation_artifact_and_torch_mismatch(built, tmp_path, caplog):
+    """LLM(comp_supertask_kind='edf') generates what fx generates; its artifact loads back (a
+    different torch version in the manifest recompiles from the stored fx source, announced)."""
+    import json
+    import logging
+    import shutil
+
+    from fxcompiler import LLM, ManualBucketConfig, SamplingParams
+
+    llm, _, cache_dir, _ = built
+    model_dir = llm.test_model_path
+    kw = dict(max_seq_len_to_capture=32, bucket_config=ManualBucketConfig([(1, 16)], [(2, 32)]))
+    prompts, sp = [[1, 5, 6, 7], [1, 9]], SamplingParams(max_tokens=8, temperature=0)
+    fx = LLM(str(model_dir), cache_dir=None, **kw)
+    expected = [o.outputs[0].token_ids for o in fx.generate(None, sp, prompt_token_ids=prompts)]
+    edf = LLM(str(model_dir), cache_dir=cache_dir, comp_supertask_kind="edf", artifacts_export_path=tmp_path / "a",
+              **kw)  # the packages of the module fixture are cache hits: nothing compiles
+    assert {b.kind for p in edf.pipelines for b in p.blobs.values()} == {"edf"}
+    assert [o.outputs[0].token_ids for o in edf.generate(None, sp, prompt_token_ids=prompts)] == expected
+    loaded = LLM.load_artifact(tmp_path / "a", cache_dir=cache_dir)
+    assert [o.outputs[0].token_ids for o in loaded.generate(None, sp, prompt_token_ids=prompts)] == expected
+    other = tmp_path / "b"
+    shutil.copytree(tmp_path / "a", other)
+    m = json.loads((other / "artifact.json").read_text())
+    m["versions"]["torch"] = "0.0.1"
+    (other / "artifact.json").write_text(json.dumps(m))
+    with caplog.at_level(logging.WARNING, logger="fxcompiler.artifacts"):
+        again = LLM.load_artifact(other, cache_dir=cache_dir)
+    assert "recompiling edf package" in caplog.text
+    assert [o.outputs[0].token_ids for o in again.generate(None, sp, prompt_token_ids=prompts)] == expected
