@@ -149,12 +149,10 @@ def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext,
                      "max_position_embeddings": g.max_position_embeddings},
         "signature": graph_io.placeholder_signature(gm),
         "param_aliases": aliases, "constant_aliases": const_aliases, "constants": bool(constants),
-        "graph_meta": {k: v for k, v in gm.meta.items() if k == "fxc_constants"},
+        "graph_meta": {k: dict(v) for k, v in gm.meta.items() if k == "fxc_constants"},
         "history": [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in ctx.history],
         **(extra or {}),
     }
-    if isinstance(meta["graph_meta"].get("fxc_constants"), dict):
-        meta["graph_meta"]["fxc_constants"] = sorted(meta["graph_meta"]["fxc_constants"])
     (directory / "program.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
 
 
@@ -166,7 +164,7 @@ def load_program(directory: Path, *, restore_meta: bool = True) -> tuple[torch.f
     constants = load_tensors(directory / "constants.safetensors", meta["constant_aliases"]) if meta["constants"] else {}
     gm = graph_io.load_graph_module((directory / "graph.py").read_text(), constants)
     if "fxc_constants" in meta["graph_meta"]:
-        gm.meta["fxc_constants"] = {name: None for name in meta["graph_meta"]["fxc_constants"]}
+        gm.meta["fxc_constants"] = dict(meta["graph_meta"]["fxc_constants"])  # attribute -> parameter FQN
     if restore_meta:
         if meta["signature"] is None:
             raise ValueError(f"{directory}: the program has no placeholder signature to restore shapes from")
