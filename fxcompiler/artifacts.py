@@ -241,15 +241,47 @@ def verify_files(root: Path, manifest: dict[str, Any]) -> None:
 
 def read_artifact(path: str | os.PathLike, *, buckets: list[Bucket] | None = None, verify: bool = True,
                   cache_dir: str | os.PathLike | None = None) -> ArtifactContents:
-    """Load an artifact (the pipelines of ``buckets`` only, when given: they must exist in it)."""
-    from transformers import AutoConfig, GenerationConfig
-
-    from .capture import ModelGeometry
-
+    """Load an artifact (the pipelines of ``buckets`` only, when given: they must exist in it).
+    ``config``/``generation_config`` of the result are None: load them from ``model_dir``."""
     root = Path(path)
     manifest = read_manifest(root)
-    if verify:
-        verify_files(root, manifest)
+    checker = _Verifier(root, manifest) if verify else None  # hashes in a thread while the files load
+    try:
+        contents = _read_contents(root, manifest, buckets, cache_dir)
+    except BaseException:
+        if checker is not None:
+            checker.result()  # a damaged file explains a load error better than the error itself
+        raise
+    if checker is not None:
+        checker.result()
+    return contents
+
+
+class _Verifier:
+    """:func:`verify_files` on a worker thread (hashlib releases the GIL on large buffers)."""
+
+    def __init__(self, root: Path, manifest: dict):
+        import threading
+
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(root, manifest), daemon=True)
+        self._thread.start()
+
+    def _run(self, root, manifest):
+        try:
+            verify_files(root, manifest)
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            self.error = exc
+
+    def result(self) -> None:
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+
+
+def _read_contents(root: Path, manifest: dict, buckets, cache_dir) -> ArtifactContents:
+    from .capture import ModelGeometry
+
     versions = manifest.get("versions", {})
     if versions.get("torch") != torch.__version__:
         log.warning("artifact %s was built with torch %s, running torch %s: fx graph code is portable, "
@@ -313,15 +345,10 @@ def read_artifact(path: str | os.PathLike, *, buckets: list[Bucket] | None = Non
             pipe.param_files[k] = type(pipe.param_files[k])(str(pfile), prm["format"])
     g = dict(manifest["geometry"])
     g["dtype"] = getattr(torch, g["dtype"])
-    model_dir = root / "model"
-    config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    try:
-        generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError):
-        generation_config = None
-    return ArtifactContents(manifest["model"]["id"], config, generation_config, None, pipelines, params,
+    # config / generation config are left to the caller (LLM loads them on first use)
+    return ArtifactContents(manifest["model"]["id"], None, None, None, pipelines, params,
                             ModelGeometry(**g), dict(manifest["settings"]), list(manifest.get("passes", [])),
-                            manifest, model_dir)
+                            manifest, root / "model")
 
 
 def _edf_package(root: Path, entry: dict, versions: dict, cache_dir):

@@ -643,8 +643,7 @@ class LLM:
         obj.seed = seed
         obj.cache_dir = Path(cache_dir) if cache_dir is not None else None
         obj.model_id = contents.model_id
-        obj.model_config = contents.config
-        obj.generation_config = contents.generation_config
+        obj._lazy_model_dir = contents.model_dir  # configs load on first access (transformers' imports cost ~2 s)
         obj.tokenizer = load_tokenizer(contents.model_dir, tokenizer, tokenizer_mode)
         obj.comp_supertask_kind = st.get("comp_supertask_kind", "fx")
         obj.use_blockwise_compile = st.get("use_blockwise_compile", True)
@@ -669,12 +668,43 @@ class LLM:
             max_decode_batch=max(b.batch_size for b in decode),
             max_processing_samples=scheduler_config.max_processing_samples,
             num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes)
-        obj._eos = frozenset(st.get("eos_token_ids", ())) | obj._eos_token_ids()
+        obj._eos = frozenset(st["eos_token_ids"]) if "eos_token_ids" in st else obj._eos_token_ids()
         obj._prefill_buckets, obj._decode_buckets = prefill, decode
         obj.build_info = {"compile_cache": "artifact", "artifact": os.fspath(path), "export_seconds": 0.0}
         obj._start(skip_engine, enable_prefix_caching, None)
         obj.build_info["seconds"] = time.perf_counter() - t0
         return obj
+
+    # -- configs (loaded lazily for artifacts) ------------------------------------------------------
+    @property
+    def model_config(self):
+        """The transformers config of the model (hf_overrides applied)."""
+        if "_model_config" not in self.__dict__:
+            from transformers import AutoConfig
+
+            self._model_config = AutoConfig.from_pretrained(str(self._lazy_model_dir), local_files_only=True)
+        return self._model_config
+
+    @model_config.setter
+    def model_config(self, value) -> None:
+        self._model_config = value
+
+    @property
+    def generation_config(self):
+        """The model's generation config (None if it has none)."""
+        if "_generation_config" not in self.__dict__:
+            from transformers import GenerationConfig
+
+            try:
+                self._generation_config = GenerationConfig.from_pretrained(str(self._lazy_model_dir),
+                                                                           local_files_only=True)
+            except (OSError, ValueError):
+                self._generation_config = None
+        return self._generation_config
+
+    @generation_config.setter
+    def generation_config(self, value) -> None:
+        self._generation_config = value
 
     # -- introspection -----------------------------------------------------------------------------
     def _get_splitted_gms(self) -> dict[str, list[torch.fx.GraphModule]]:
