@@ -79,6 +79,9 @@ def test_round_trip_in_a_fresh_process(llama, tmp_path):
         assert set(manifest["graphs"]) == {b.id for p in llm.pipelines for b in p.blobs.values()}
         if kw.get("embed_all_constants_into_graph"):
             assert any("constants" in g for g in manifest["graphs"].values())
+        for f in path.rglob("*.json"):  # relocatable: no absolute paths of the build machine inside
+            text = f.read_text()
+            assert str(tmp_path) not in text and str(llama) not in text, f
     results = load_in_fresh_process(paths, PROMPTS, SP.max_tokens)
     assert [r["tokens"] for r in results] == expected
     names = list(VARIANTS)
