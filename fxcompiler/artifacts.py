@@ -318,7 +318,7 @@ def _read_contents(root: Path, manifest: dict, buckets, cache_dir) -> ArtifactCo
                 graphs[blob_id] = deserialize((root / entry["code"]).read_bytes())
                 continue
             if entry["kind"] == "edf":
-                graphs[blob_id] = _edf_package(root, entry, versions, cache_dir)
+                graphs[blob_id] = _edf_package(root, entry, manifest, cache_dir)
                 continue
             consts = load_tensors(root / entry["constants"], entry.get("constant_aliases", {})) \
                 if entry.get("constants") else {}
@@ -351,20 +351,25 @@ def _read_contents(root: Path, manifest: dict, buckets, cache_dir) -> ArtifactCo
                             manifest, root / "model")
 
 
-def _edf_package(root: Path, entry: dict, versions: dict, cache_dir):
+def _edf_package(root: Path, entry: dict, manifest: dict, cache_dir):
     """The artifact's AOTInductor package, or (announced) a recompilation of its fx source when
-    the package was built by another torch version (packages are tied to the torch ABI)."""
+    the package was built by another torch version or for another CPU ISA (packages are native
+    code tied to both)."""
     from . import edf
 
-    if versions.get("torch") == torch.__version__:
+    versions = manifest.get("versions", {})
+    built_isa, host_isa = manifest.get("host", {}).get("isa"), host_description()["isa"]
+    same_isa = entry["device_type"] != "cpu" or built_isa in (None, host_isa)
+    if versions.get("torch") == torch.__version__ and same_isa:
         return edf.deserialize((root / entry["code"]).read_bytes(), entry["key"], cache_dir, entry["device_type"])
+    why = (f"torch {versions.get('torch')} (this is {torch.__version__})" if versions.get("torch") != torch.__version__
+           else f"CPU ISA {built_isa} (this host: {host_isa})")
     if "source" not in entry:
-        raise ArtifactError(f"{root / entry['code']}: built by torch {versions.get('torch')} (this is "
-                            f"{torch.__version__}) and the artifact has no fx source to recompile it from")
+        raise ArtifactError(f"{root / entry['code']}: built for {why} and the artifact has no fx source to "
+                            "recompile it from")
     consts = load_tensors(root / entry["constants"], entry.get("constant_aliases", {})) if entry.get("constants") else {}
     gm = load_graph_module((root / entry["source"]).read_text(), consts)
-    log.warning("recompiling edf package %s for torch %s (the artifact's was built by torch %s)",
-                entry["code"], torch.__version__, versions.get("torch"))
+    log.warning("recompiling edf package %s for this host (the artifact's was built for %s)", entry["code"], why)
     from .graph_io import restore_meta
     from .pipeline import DataBlob
 

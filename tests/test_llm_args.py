@@ -46,7 +46,7 @@ def test_device_parsing():
     (dict(enable_chunked_prefill=False, prefill_chunk_size=64), ValueError, "conflicts"),
     (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching"),
     (dict(speculative_model="x", num_speculative_tokens=3), NotImplementedError, "speculative"),
-    (dict(comp_supertask_kind="edf"), NotImplementedError, "blockwise"),
+    (dict(num_compile_workers=2), NotImplementedError, "parallel pipeline building"),
     (dict(artifacts_export_path=3), TypeError, "artifacts_export_path"),
     (dict(use_blockwise_compile="yes"), TypeError, "use_blockwise_compile"),
     (dict(qformat_path="q.yaml"), NotImplementedError, "quantization"),
