@@ -9,12 +9,11 @@ code per supertask.
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
 
-from fxcompiler.pipeline import DataBlob, Pipeline, SuperTaskKind
+from fxcompiler.pipeline import DataBlob, Pipeline, SuperTaskKind, retarget_compute_supertasks
 
 from . import register_backend
 
@@ -45,14 +44,8 @@ def as_fx_pipeline(pipeline: Pipeline, device: torch.device) -> Pipeline:
     comps = pipeline.compute_supertasks()
     if not comps or any(t.kind is not SuperTaskKind.DFG for _, t in comps):
         raise NotImplementedError("the dfg executor runs pipelines of dfg compute supertasks only")
-    blobs = dict(pipeline.blobs)
-    for _, task in comps:
-        blob = pipeline.blobs[task.data_blob]
-        if blobs[task.data_blob] is blob:  # not converted yet
-            blobs[task.data_blob] = DataBlob(blob.id, "fx", graph_module_for(blob, device))
-    supertasks = {k: dataclasses.replace(t, kind=SuperTaskKind.FX) if t.kind is SuperTaskKind.DFG else t
-                  for k, t in pipeline.supertasks.items()}
-    return dataclasses.replace(pipeline, supertasks=supertasks, blobs=blobs)
+    return retarget_compute_supertasks(pipeline, SuperTaskKind.DFG, SuperTaskKind.FX,
+                                       lambda blob: DataBlob(blob.id, "fx", graph_module_for(blob, device)))
 
 
 def _compile(fx_factory, pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device):

@@ -11,12 +11,11 @@ update the KV-cache inputs in place, as the fx graphs do.
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
 
-from fxcompiler.pipeline import DataBlob, Pipeline, SuperTaskKind
+from fxcompiler.pipeline import DataBlob, Pipeline, SuperTaskKind, retarget_compute_supertasks
 
 from . import register_backend
 
@@ -75,14 +74,8 @@ def as_fx_pipeline(pipeline: Pipeline, device: torch.device) -> Pipeline:
     comps = pipeline.compute_supertasks()
     if not comps or any(t.kind is not SuperTaskKind.EDF for _, t in comps):
         raise NotImplementedError("the edf executor runs pipelines of edf compute supertasks only")
-    blobs = dict(pipeline.blobs)
-    for _, task in comps:
-        blob = pipeline.blobs[task.data_blob]
-        if blobs[task.data_blob] is blob:  # not loaded yet
-            blobs[task.data_blob] = DataBlob(blob.id, "fx", module_for(blob, device))
-    supertasks = {k: dataclasses.replace(t, kind=SuperTaskKind.FX) if t.kind is SuperTaskKind.EDF else t
-                  for k, t in pipeline.supertasks.items()}
-    return dataclasses.replace(pipeline, supertasks=supertasks, blobs=blobs)
+    return retarget_compute_supertasks(pipeline, SuperTaskKind.EDF, SuperTaskKind.FX,
+                                       lambda blob: DataBlob(blob.id, "fx", module_for(blob, device)))
 
 
 def _compile(pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device):

@@ -31,7 +31,6 @@ are ``networkx``-based analyses. A blob serialises with :func:`serialize` /
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import importlib
@@ -43,7 +42,7 @@ from typing import Any
 import onnx
 import torch
 
-from .pipeline import DataBlob, Pipeline, SuperTaskKind
+from .pipeline import DataBlob, Pipeline, SuperTaskKind, retarget_compute_supertasks
 
 FORMAT = "fxcompiler-dfg/1"
 BUILTIN_DOMAIN = "fx.builtin"
@@ -501,24 +500,13 @@ def to_dfg_pipeline(pipeline: Pipeline, cache: dict[str, DataBlob] | None = None
     serialized ModelProto and the supertasks' ``data_blob`` follows. Non-fx supertasks and
     everything else (tensors, params, metadata) are kept (copied)."""
     cache = {} if cache is None else cache
-    supertasks, blobs = {}, {}
-    for key, task in pipeline.supertasks.items():
-        if task.kind is SuperTaskKind.FX:
-            if task.data_blob not in cache:
-                cache[task.data_blob] = to_dfg_blob(pipeline.blobs[task.data_blob])
-            new = cache[task.data_blob]
-            blobs[new.id] = new
-            supertasks[key] = dataclasses.replace(task, kind=SuperTaskKind.DFG, data_blob=new.id,
-                                                  inputs=list(task.inputs), outputs=list(task.outputs),
-                                                  metadata=dict(task.metadata))
-        else:
-            supertasks[key] = dataclasses.replace(task, inputs=list(task.inputs), outputs=list(task.outputs),
-                                                  metadata=dict(task.metadata))
-            if task.data_blob is not None and task.data_blob in pipeline.blobs:
-                blobs[task.data_blob] = pipeline.blobs[task.data_blob]
-    return dataclasses.replace(pipeline, supertasks=supertasks, blobs=blobs, tensors=dict(pipeline.tensors),
-                               devices=dict(pipeline.devices), param_files=dict(pipeline.param_files),
-                               metadata=dict(pipeline.metadata))
+
+    def convert(blob: DataBlob) -> DataBlob:
+        if blob.id not in cache:
+            cache[blob.id] = to_dfg_blob(blob)
+        return cache[blob.id]
+
+    return retarget_compute_supertasks(pipeline, SuperTaskKind.FX, SuperTaskKind.DFG, convert)
 
 
 def to_dfg_pipelines(pipelines: list[Pipeline]) -> list[Pipeline]:

@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from .pipeline import DataBlob, Pipeline, SuperTaskKind
+from .pipeline import DataBlob, Pipeline, SuperTaskKind, retarget_compute_supertasks
 
 FORMAT = "fxcompiler-edf/1"
 PACKAGE_SUFFIX = ".pt2"
@@ -299,26 +299,16 @@ def to_edf_pipeline(pipeline: Pipeline, cache_dir: str | os.PathLike | None,
     supertask's device in ``pipeline.devices``, else CPU). Non-fx supertasks, tensors, params and
     metadata are kept (copied)."""
     cache = {} if cache is None else cache
-    supertasks, blobs = {}, {}
-    for key, task in pipeline.supertasks.items():
-        if task.kind is SuperTaskKind.FX:
-            dev = torch.device(device) if device is not None else _device_of(pipeline, task)
-            ck = (task.data_blob, dev.type)
-            if ck not in cache:
-                cache[ck] = to_edf_blob(pipeline.blobs[task.data_blob], cache_dir, dev, stats)
-            new = cache[ck]
-            blobs[new.id] = new
-            supertasks[key] = dataclasses.replace(task, kind=SuperTaskKind.EDF, data_blob=new.id,
-                                                  inputs=list(task.inputs), outputs=list(task.outputs),
-                                                  metadata=dict(task.metadata))
-        else:
-            supertasks[key] = dataclasses.replace(task, inputs=list(task.inputs), outputs=list(task.outputs),
-                                                  metadata=dict(task.metadata))
-            if task.data_blob is not None and task.data_blob in pipeline.blobs:
-                blobs[task.data_blob] = pipeline.blobs[task.data_blob]
-    return dataclasses.replace(pipeline, supertasks=supertasks, blobs=blobs, tensors=dict(pipeline.tensors),
-                               devices=dict(pipeline.devices), param_files=dict(pipeline.param_files),
-                               metadata=dict(pipeline.metadata))
+    fx_tasks = [t for t in pipeline.supertasks.values() if t.kind is SuperTaskKind.FX]
+    dev = torch.device(device) if device is not None else (
+        _device_of(pipeline, fx_tasks[0]) if fx_tasks else torch.device("cpu"))
+
+    def convert(blob: DataBlob) -> DataBlob:
+        if (blob.id, dev.type) not in cache:
+            cache[(blob.id, dev.type)] = to_edf_blob(blob, cache_dir, dev, stats)
+        return cache[(blob.id, dev.type)]
+
+    return retarget_compute_supertasks(pipeline, SuperTaskKind.FX, SuperTaskKind.EDF, convert)
 
 
 def to_edf_pipelines(pipelines: list[Pipeline], cache_dir: str | os.PathLike | None, *,

@@ -265,3 +265,30 @@ def pipeline_from_dict(data: dict, blobs: dict[str, Any] | None = None) -> Pipel
             metadata=dict(data.get("metadata") or {}), version=version)
     except KeyError as exc:
         raise ValueError(f"pipeline description lacks the field {exc.args[0]!r}") from None
+
+
+def retarget_compute_supertasks(pipeline: Pipeline, from_kind: SuperTaskKind, to_kind: SuperTaskKind,
+                                convert: Any) -> Pipeline:
+    """A copy of ``pipeline`` whose ``from_kind`` supertasks become ``to_kind`` supertasks over
+    ``convert(blob) -> DataBlob`` (called once per blob id here; callers memoise across
+    pipelines). Tensors, devices, params and metadata are copied; other supertasks are kept.
+    This is how a built fx pipeline becomes a dfg/edf one, and how their executors hand a
+    pipeline back to the fx executor."""
+    import dataclasses
+
+    supertasks, blobs, done = {}, {}, {}
+    for key, task in pipeline.supertasks.items():
+        copy = dict(inputs=list(task.inputs), outputs=list(task.outputs), metadata=dict(task.metadata))
+        if task.kind is from_kind:
+            if task.data_blob not in done:
+                done[task.data_blob] = convert(pipeline.blobs[task.data_blob])
+            new = done[task.data_blob]
+            blobs[new.id] = new
+            supertasks[key] = dataclasses.replace(task, kind=to_kind, data_blob=new.id, **copy)
+        else:
+            supertasks[key] = dataclasses.replace(task, **copy)
+            if task.data_blob is not None and task.data_blob in pipeline.blobs:
+                blobs[task.data_blob] = pipeline.blobs[task.data_blob]
+    return dataclasses.replace(pipeline, supertasks=supertasks, blobs=blobs, tensors=dict(pipeline.tensors),
+                               devices=dict(pipeline.devices), param_files=dict(pipeline.param_files),
+                               metadata=dict(pipeline.metadata))
