@@ -26,6 +26,16 @@ sys.path.insert(0, str(ROOT))
 PROMPT = "The history of computing is a story of abstractions. Early machines were programmed by"
 
 
+def median_decode_rate(run, tokens: int, reps: int) -> float:
+    """Median tokens/s after the first token: ``run(n)`` generates ``n`` tokens, returns seconds."""
+    run(4)
+    rates = []
+    for _ in range(reps):
+        first = run(1)
+        rates.append((tokens - 1) / (run(tokens) - first))
+    return statistics.median(rates)
+
+
 def decode_tok_s(llm, tokens: int, reps: int) -> float:
     from fxcompiler import SamplingParams
 
@@ -34,12 +44,7 @@ def decode_tok_s(llm, tokens: int, reps: int) -> float:
         llm.generate(PROMPT, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
         return time.perf_counter() - t0
 
-    run(4)
-    rates = []
-    for _ in range(reps):
-        first = run(1)
-        rates.append((tokens - 1) / (run(tokens) - first))
-    return statistics.median(rates)
+    return median_decode_rate(run, tokens, reps)
 
 
 def hf_decode_tok_s(model, tok, tokens: int, reps: int) -> float:
@@ -52,12 +57,7 @@ def hf_decode_tok_s(model, tok, tokens: int, reps: int) -> float:
                            pad_token_id=tok.pad_token_id or tok.eos_token_id)
         return time.perf_counter() - t0
 
-    run(4)
-    rates = []
-    for _ in range(reps):
-        first = run(1)
-        rates.append((tokens - 1) / (run(tokens) - first))
-    return statistics.median(rates)
+    return median_decode_rate(run, tokens, reps)
 
 
 def main(argv=None) -> int:
