@@ -290,13 +290,10 @@ def _read_contents(root: Path, manifest: dict, buckets, cache_dir) -> ArtifactCo
     if manifest.get("host", {}).get("isa") not in (None, host["isa"]):
         log.warning("artifact %s was built for CPU ISA %s, this host has %s: its prepacked kernels fall back "
                     "where they cannot run", root, manifest["host"]["isa"], host["isa"])
-    available = {Bucket(*b): rel for b, rel in zip(manifest["buckets"]["all"], manifest["pipelines"])} \
-        if len(manifest["buckets"]["all"]) == len(manifest["pipelines"]) else None
     pipe_files = {}
     for rel in manifest["pipelines"]:
         data = json.loads((root / rel).read_text())
         pipe_files[Bucket(**data["bucket"])] = data
-    del available
     if buckets is not None:
         missing = [b for b in buckets if b not in pipe_files]
         if missing:

@@ -138,15 +138,9 @@ class ProgramRequest:
         if self.use_random_weight:  # weights come from the seed, not the files
             files = [f for f in files if f[0].endswith(".json")]
         return program_key(model_id=self.model_id, source=self.source_kind, files=files,
-                           overrides=json_safe(self.hf_overrides), dtype=str(self.dtype),
+                           overrides=self.hf_overrides, dtype=str(self.dtype),
                            random=self.use_random_weight, seed=self.seed if self.use_random_weight else None,
                            block_size=self.block_size, options=opts, backend=backend_fingerprint(device))
-
-
-def json_safe(value: Any) -> Any:
-    import json
-
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
 
 
 def compile_program(request: ProgramRequest, loaded, *, device: torch.device, cache_dir=None,
