@@ -4,4 +4,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# One pytest-xdist worker per core (at most FXCOMPILER_TEST_WORKERS, default 2); a module's
+# tests stay on one worker so its module-scoped models are built once.
+workers=${FXCOMPILER_TEST_WORKERS:-2}
+cores=$(nproc 2>/dev/null || echo 1)
+if [ "$cores" -lt "$workers" ]; then workers=$cores; fi
+if [ "$workers" -gt 1 ]; then
+  exec .venv/bin/python -m pytest -q -n "$workers" --dist loadscope "$@"
+fi
 exec .venv/bin/python -m pytest -q "$@"

@@ -8,7 +8,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# Under pytest-xdist (scripts/test.sh runs one worker per core) each worker gets its share of
+# the cores; oversubscribed intra-op threads would slow every worker down.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 def tiny_config(arch: str, **overrides):

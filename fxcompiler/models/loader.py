@@ -8,6 +8,7 @@ random weights; ``hf_overrides`` patch the config first.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -72,12 +73,40 @@ def convert_gguf(gguf: Path, model_id: str, cache_dir: str | os.PathLike | None)
     else:
         root = Path(cache_dir) / "models"
     target = root / f"{_safe_name(model_id)}-{_file_digest(gguf)}"
-    if (target / "config.json").is_file() and (target / ".complete").is_file():
+    if _complete(target):
         return target
+    root.mkdir(parents=True, exist_ok=True)
+    # Concurrent processes (e.g. parallel test workers) convert once: the others wait here.
+    with _exclusive(root / f".{target.name}.lock"):
+        if not _complete(target):
+            _convert_into(gguf, root, target)
+    return target
+
+
+def _complete(target: Path) -> bool:
+    return (target / "config.json").is_file() and (target / ".complete").is_file()
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path):
+    """An exclusive advisory lock on ``lock_path`` (a no-op where fcntl does not exist)."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX
+        yield
+        return
+    with open(lock_path, "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _convert_into(gguf: Path, root: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to an HF-format directory in %s (once)", gguf, target)
-    root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
     try:
         with warnings.catch_warnings():
@@ -93,7 +122,7 @@ def convert_gguf(gguf: Path, model_id: str, cache_dir: str | os.PathLike | None)
         tok.save_pretrained(tmp)
         (tmp / ".complete").write_text(json.dumps({"source": gguf.name}))
         del model
-        if target.exists():
+        if target.exists():  # an incomplete leftover of an interrupted conversion
             shutil.rmtree(target)
         os.replace(tmp, target)
     finally:
