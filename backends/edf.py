@@ -8,6 +8,12 @@ the pytree round trip of ``AOTICompiledModel.__call__``). The pipeline is then r
 executor (:class:`backends.fx.FxExecutable`) over those modules, like the dfg backend does:
 weights are bound per supertask, so identical blocks share one loaded package. The packages
 update the KV-cache inputs in place, as the fx graphs do.
+
+Packages compiled for CPU call ``fxc::linear`` / ``fxc::linear_w8`` / ``fxc::paged_attention``
+through AOTInductor's proxy executor (:data:`fxcompiler.edf.EXTERN_OPS`), which resolves them
+in the c10 dispatcher when the package loads: the ``fxc`` schemas must be defined by then
+(imported below) and the CPU backend installs the C++ kernels before loading, as the fx
+backend does (``fxc::linear``'s kernel library loads on its first call).
 """
 from __future__ import annotations
 
@@ -15,7 +21,13 @@ import weakref
 
 import torch
 
-from fxcompiler.pipeline import DataBlob, Pipeline, SuperTaskKind, retarget_compute_supertasks
+from fxcompiler.ops import paged_attention  # noqa: F401  (defines every fxc op: packages that call them must find them)
+from fxcompiler.pipeline import (
+    DataBlob,
+    Pipeline,
+    SuperTaskKind,
+    retarget_compute_supertasks,
+)
 
 from . import register_backend
 
@@ -90,6 +102,9 @@ def _compile(pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.
 
 @register_backend("edf", "cpu")
 def compile_edf_cpu(pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device):
+    from .cpu import attention
+
+    attention.install()  # the packages' fxc::paged_attention calls reach the C++ decode kernel (ATen otherwise)
     return _compile(pipeline, params, device)
 
 

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
     from fxcompiler import LLM
     from fxcompiler.models.sources import DEFAULT_MODEL_ID
 
-    common = dict(max_seq_len_to_capture=args.max_seq_len_to_capture)
+    common = {"max_seq_len_to_capture": args.max_seq_len_to_capture}
     rows = {}
     for kind in args.kinds.split(","):
         row: dict = {}

@@ -3,18 +3,28 @@
 :func:`to_edf_pipelines` turns the fx compute supertasks of built pipelines into ``edf``
 ones: each unique fx blob (identical transformer blocks share one) is
 
-1. rewritten to plain ATen: every ``fxc::*`` node (``paged_attention``, ``rms_norm``,
-   ``silu_mul``, ``rope``, ``linear``, ``linear_w8``) calls its ATen reference from
-   ``fxcompiler/ops`` instead (AOTInductor cannot call our Python-registered ops; the
-   references are exactly what the ops compute where no device kernel is installed);
+1. prepared for export: the ``fxc::*`` ops that have fast kernels on the target device
+   (:func:`extern_ops`; on CPU ``linear``, ``linear_w8`` and ``paged_attention``, the C++
+   kernels of ``backends/cpu``) stay calls into the op; every other ``fxc`` node (on CPU the
+   fused elementwise ``rms_norm``, ``silu_mul``, ``rope``, which Inductor fuses with their
+   neighbours at least as well; on CUDA all of them) calls its ATen reference from
+   ``fxcompiler/ops`` instead, so Inductor generates code for it;
 2. exported with ``torch.export.export`` (non-strict), every placeholder a graph input —
    weights included, so one package serves every block that shares the blob — and every
    symbolic dim of the blob (batch, tokens, blocks...) a named ``Dim``, so one package
    serves every bucket;
 3. compiled with ``torch._inductor.aoti_compile_and_package`` into
-   ``<cache_dir>/edf/<key>.pt2``. ``key`` (:func:`package_key`) hashes the graph code and
-   placeholder shapes, the device kind, the torch version and the sources this module
-   rewrites with, so a second conversion finds the package and compiles nothing.
+   ``<cache_dir>/edf/<key>.pt2``. The kept ``fxc`` calls become AOTInductor *fallback
+   kernels*: the package's ``<model>.wrapper.json`` describes each call and the generated
+   code runs it with ``aoti_torch_proxy_executor_call_function``, which the runtime's
+   proxy executor turns into a boxed call of the op that the c10 dispatcher resolves when
+   the package is loaded (~1 us a call measured here; the op and its kernel only need to be
+   registered in the loading process: ``import fxcompiler`` defines the ops and the edf
+   backend installs the CPU kernels; without them the op's own ATen reference runs, same
+   results, slower). ``key`` (:func:`package_key`) hashes the graph code and placeholder
+   shapes, the device kind, the kept ops, the Inductor options, the torch version and the
+   sources this module rewrites with, so a second conversion finds the package and compiles
+   nothing.
 
 The paged KV-cache write (``index_copy_`` into views of the ``k_cache``/``v_cache`` inputs)
 stays an input mutation: the compiled package updates the caller's cache tensors in place,
@@ -67,6 +77,24 @@ class EdfPackage:
 
 # --------------------------------------------------------------------------- fxc ops -> ATen
 
+# fxc ops (by name) that stay calls into the op inside a package, per device type: the ops
+# with device kernels that beat what Inductor generates from their ATen reference. Measured
+# on SmolLM2's block (decode, 1 thread, CPU time per call): fxc::linear + fxc::paged_attention
+# kept 640 us, every fxc op kept 670 us, all rewritten to ATen 2160 us (the references unpack
+# the prepacked weights and gather the paged context on every call); the fused elementwise
+# ops tie or lose to Inductor's fusion of their references (rms_norm with the residual add,
+# rope with the q/k split), and each extern call costs a fused loop. CUDA has no fxc kernels.
+EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "paged_attention")}
+
+# Inductor options the packages are compiled with (part of the package key).
+INDUCTOR_OPTIONS: dict[str, Any] = {}
+
+
+def extern_ops(device: torch.device | str = "cpu") -> tuple[str, ...]:
+    """Names of the ``fxc`` ops that packages compiled for ``device``'s kind keep as calls into
+    the op (see :data:`EXTERN_OPS`); the others are rewritten to their ATen references."""
+    return EXTERN_OPS.get(torch.device(device).type, ())
+
 
 def _references() -> dict[Any, Any]:
     import fxcompiler.ops  # noqa: F401  (registers the fxc namespace)
@@ -85,18 +113,23 @@ def _references() -> dict[Any, Any]:
     }
 
 
-def aten_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+def aten_graph_module(gm: torch.fx.GraphModule, keep: tuple[str, ...] | frozenset[str] = ()) -> torch.fx.GraphModule:
     """A copy of ``gm`` whose ``fxc::*`` nodes call their ATen references (Python functions
-    that export traces to ATen ops). Raises ``EdfCompileError`` for an fxc op without one."""
+    that export traces to ATen ops), except the ops named in ``keep`` (e.g. ``"linear"``),
+    which stay calls into the op. Raises ``EdfCompileError`` for an fxc op that is neither
+    kept nor has a reference."""
     refs = _references()
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
         if node.op != "call_function":
             continue
         target = node.target
+        is_fxc = isinstance(target, torch._ops.OpOverload) and target.namespace == "fxc"
+        if is_fxc and target._schema.name.split("::", 1)[1] in keep:
+            continue
         if target in refs:
             node.target = refs[target]
-        elif isinstance(target, torch._ops.OpOverload) and target.namespace == "fxc":
+        elif is_fxc:
             raise EdfCompileError(f"edf: graph node {node.name!r} calls {target}, which has no ATen reference "
                                   "that AOTInductor could compile")
     return torch.fx.GraphModule(gm, graph, class_name="EdfAtenGraph")
@@ -151,8 +184,8 @@ def export_inputs(gm: torch.fx.GraphModule, device: torch.device, auto: bool = F
     return tuple(args), tuple(shapes)
 
 
-def _export(gm: torch.fx.GraphModule, device: torch.device):
-    aten = aten_graph_module(gm)
+def _export(gm: torch.fx.GraphModule, device: torch.device, keep: tuple[str, ...]):
+    aten = aten_graph_module(gm, keep)
     args, shapes = export_inputs(gm, device)
     try:
         return torch.export.export(aten, args, dynamic_shapes=shapes, strict=False)
@@ -174,14 +207,18 @@ def _sources_fingerprint() -> str:
     return h.hexdigest()
 
 
-def package_key(gm: torch.fx.GraphModule, device: torch.device | str = "cpu") -> str:
+def package_key(gm: torch.fx.GraphModule, device: torch.device | str = "cpu",
+                extern: tuple[str, ...] | None = None) -> str:
     """Content key of the package compiled from ``gm`` for ``device``'s kind (sha256 hex): graph
-    code, placeholder shapes/dtypes, constants, device kind, torch version, this module's and the
-    op references' sources."""
+    code, placeholder shapes/dtypes, constants, device kind, the fxc ops kept as calls
+    (``extern``, default :func:`extern_ops`), the Inductor options, torch version, this module's
+    and the op references' sources."""
     from .graph_io import graph_constants, graph_module_source, load_graph_module
 
+    extern = extern_ops(device) if extern is None else tuple(extern)
     h = hashlib.sha256()
     h.update(f"{FORMAT}\nedf\n{torch.__version__}\n{torch.device(device).type}\n".encode())
+    h.update(f"extern={','.join(sorted(extern))}\ninductor={sorted(INDUCTOR_OPTIONS.items())}\n".encode())
     h.update(_sources_fingerprint().encode())
     # The code of the graph as loading it back gives it (node names are re-derived by the
     # tracer), so a graph rebuilt from an artifact's fx source has the key of the original.
@@ -215,23 +252,26 @@ def _check_compiler() -> None:
 
 
 def compile_package(gm: torch.fx.GraphModule, path: str | os.PathLike, device: torch.device | str = "cpu",
-                    *, name: str = "") -> Path:
-    """Export ``gm`` (fxc ops as ATen references, weights as inputs, dynamic dims) and compile it
-    with AOTInductor into the package file ``path`` (written atomically)."""
+                    *, name: str = "", extern: tuple[str, ...] | None = None) -> Path:
+    """Export ``gm`` (the fxc ops named in ``extern`` — default :func:`extern_ops` — kept as
+    calls, the others as ATen references; weights as inputs, dynamic dims) and compile it with
+    AOTInductor into the package file ``path`` (written atomically)."""
     _check_compiler()
     device = torch.device(device)
+    extern = extern_ops(device) if extern is None else tuple(extern)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     label = name or path.stem
     try:
-        ep = _export(gm, device)
+        ep = _export(gm, device, extern)
     except EdfCompileError:
         raise
     except Exception as exc:
         raise EdfCompileError(f"edf: torch.export of blob {label} failed: {type(exc).__name__}: {exc}") from exc
     tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{PACKAGE_SUFFIX}")
     try:
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp))
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
+                                                 inductor_configs=dict(INDUCTOR_OPTIONS) or None)
         os.replace(tmp, path)
     except Exception as exc:
         tmp.unlink(missing_ok=True)
@@ -319,6 +359,23 @@ def to_edf_pipelines(pipelines: list[Pipeline], cache_dir: str | os.PathLike | N
     compiler)."""
     cache: dict[tuple[str, str], DataBlob] = {}
     return [to_edf_pipeline(p, cache_dir, cache, device=device, stats=stats) for p in pipelines]
+
+
+def extern_kernel_calls(path: str | os.PathLike) -> list[str]:
+    """The ops a package calls as extern (fallback) kernels through the proxy executor, in call
+    order (e.g. ``["fxc::linear", "fxc::paged_attention", ...]``), read from the extern-kernel
+    JSON that AOTInductor writes next to the generated code in the package."""
+    import json
+    import zipfile
+
+    calls: list[str] = []
+    with zipfile.ZipFile(path) as zf:
+        for name in sorted(zf.namelist()):
+            if name.endswith(".json") and "/data/aotinductor/" in name and not name.endswith("_metadata.json"):
+                doc = json.loads(zf.read(name))
+                if isinstance(doc, dict) and isinstance(doc.get("nodes"), list):
+                    calls += [n["node"]["target"] for n in doc["nodes"]]
+    return calls
 
 
 # --------------------------------------------------------------------------- artifacts

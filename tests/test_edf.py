@@ -1,7 +1,8 @@
 """edf supertasks: fx blobs compiled into AOTInductor packages (fxcompiler/edf.py, backends/edf.py).
 
-One tiny 2-layer Llama, one prefill and one decode bucket: 3 unique blobs (embedding, block,
-head), each compiled once (~10-20 s each with g++ on this machine; the first AOTInductor
+One tiny 2-layer Llama (every parameter matmul forced onto ``fxc::linear``, so the packages
+exercise the extern fxc calls as SmolLM2's do), one prefill and one decode bucket: 3 unique
+blobs (embedding, block, head), each compiled once (~10-20 s each with g++ on this machine; the first AOTInductor
 compile in a fresh inductor cache also builds its precompiled header, ~40 s), so the file is
 marked slow (the missing-compiler test is fast).
 """
@@ -16,6 +17,20 @@ from fxcompiler import testing
 from fxcompiler.pipeline import SuperTaskKind
 
 
+def _forced_lowering() -> dict:
+    """compiler_config_overrides putting every parameter matmul on fxc::linear (the tuner would
+    keep the tiny shapes on ATen)."""
+    from fxcompiler.pass_manager import get_pass
+
+    return {"passes": {"disable": ["lower_cpu_kernels"],
+                       "insert": [(get_pass("lower_cpu_kernels", force=True), {"after": "fuse_projections"})]}}
+
+
+def _fxc_calls(gm: torch.fx.GraphModule) -> list[str]:
+    return [n.target._schema.name.removeprefix("fxc::") for n in gm.graph.nodes
+            if n.op == "call_function" and isinstance(n.target, torch._ops.OpOverload) and n.target.namespace == "fxc"]
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     from fxcompiler import LLM, ManualBucketConfig
@@ -25,7 +40,7 @@ def built(tmp_path_factory):
     root = tmp_path_factory.mktemp("edf")
     path = save_tiny_model(root / "llama", "llama", num_hidden_layers=2)
     llm = LLM(str(path), max_seq_len_to_capture=32, cache_dir=None, skip_engine=True,
-              bucket_config=ManualBucketConfig([(1, 16)], [(2, 32)]))
+              bucket_config=ManualBucketConfig([(1, 16)], [(2, 32)]), compiler_config_overrides=_forced_lowering())
     llm.test_model_path = path
     cache_dir = root / "cache"
     stats: dict = {}
@@ -73,6 +88,82 @@ def test_edf_logits_match_fx_and_blocks_compile_once(built):
 
 
 @pytest.mark.slow
+def test_edf_packages_call_the_fxc_kernels(built):
+    """On CPU the packages keep fxc::linear and fxc::paged_attention as extern calls (proxy
+    executor, listed in the package's extern-kernel JSON) and compile the fused elementwise ops
+    from their ATen references; at run time those calls reach the dispatcher once per op per
+    call, as many as the fx graphs make."""
+    from backends import get_backend
+    from backends.cpu import kernels_available
+    from fxcompiler.edf import EXTERN_OPS, extern_kernel_calls
+
+    llm, edf_pipes, _, _ = built
+    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "paged_attention"}
+    p, e = next((p, e) for p, e in zip(llm.pipelines, edf_pipes) if not p.bucket.is_prefill)
+    keys = [k for k, t in p.supertasks.items() if t.data_blob is not None]
+    block_calls = None
+    for k in keys:
+        fx_graph = p.blobs[p.supertasks[k].data_blob].graph
+        calls = extern_kernel_calls(e.blobs[e.supertasks[k].data_blob].graph.path)
+        expected = [f"fxc::{c}" for c in _fxc_calls(fx_graph) if c in ("linear", "linear_w8", "paged_attention")]
+        assert calls == expected, k
+        if "fxc::paged_attention" in calls:
+            block_calls = calls
+    assert block_calls is not None
+    if kernels_available():  # forced lowering put qkv, o, gate/up and down on fxc::linear
+        assert block_calls == ["fxc::linear", "fxc::paged_attention", "fxc::linear", "fxc::linear", "fxc::linear"]
+
+    # ... and the compiled code really calls them: dispatcher events per executable call
+    params = llm._build.params
+    fx_exe = get_backend("fx", "cpu")(p, params, torch.device("cpu"))
+    edf_exe = get_backend("edf", "cpu")(e, params, torch.device("cpu"))
+    b = p.bucket
+    inputs = testing.inputs_for_geometry(llm.geometry, testing.TestBucket(b.batch_size, b.input_ids_size,
+                                                                          b.kv_cache_size, p.metadata["block_size"]))
+    targets = p.metadata["inputs"]
+
+    def fxc_events(exe) -> dict[str, int]:
+        args = [inputs[targets[n]].clone() for n in exe.user_inputs]
+        with torch.inference_mode(), torch.profiler.profile() as prof:
+            exe(*args)
+        return {ev.key: ev.count for ev in prof.key_averages() if ev.key.startswith("fxc::")}
+
+    fx_counts, edf_counts = fxc_events(fx_exe), fxc_events(edf_exe)
+    layers = llm.geometry.num_layers
+    assert edf_counts.get("fxc::paged_attention") == fx_counts["fxc::paged_attention"] == layers
+    assert edf_counts.get("fxc::linear", 0) == fx_counts.get("fxc::linear", 0)
+    assert not {"fxc::rms_norm", "fxc::silu_mul", "fxc::rope"} & set(edf_counts)  # Inductor's code, not calls
+
+
+def test_edf_extern_ops_policy_and_package_key():
+    """Which fxc ops stay calls is per device kind (CPU: the kernels; CUDA: none, all ATen), it
+    is part of the package key, and the ATen rewrite leaves kept ops alone."""
+    from fxcompiler import edf
+    from fxcompiler.ops.linear import pack_linear_weight
+
+    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "paged_attention")
+    assert edf.extern_ops("cuda") == ()
+
+    class M(torch.nn.Module):
+        def forward(self, x, w, g):
+            h = torch.ops.fxc.rms_norm.default(x, g, 1e-6)
+            return (torch.ops.fxc.linear.default(h, w, None, 8),)
+
+    gm = torch.fx.symbolic_trace(M())
+    x, w, g = torch.randn(2, 8), pack_linear_weight(torch.randn(8, 8)), torch.ones(8)
+    for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), (x, w, g)):
+        n.meta["val"] = v
+    kept = edf.aten_graph_module(gm, ("linear",))
+    assert _fxc_calls(kept) == ["linear"]
+    assert _fxc_calls(edf.aten_graph_module(gm)) == []
+    torch.testing.assert_close(kept(x, w, g)[0], gm(x, w, g)[0])
+    keys = {edf.package_key(gm, "cpu"), edf.package_key(gm, "cuda"), edf.package_key(gm, "cpu", extern=()),
+            edf.package_key(gm, "cpu", extern=("linear",))}
+    assert len(keys) == 4
+    assert edf.package_key(gm, "cpu") == edf.package_key(gm, "cpu", extern=edf.extern_ops("cpu"))
+
+
+@pytest.mark.slow
 def test_edf_second_conversion_hits_the_cache(built):
     from fxcompiler.edf import to_edf_pipelines
 
@@ -91,9 +182,10 @@ def test_edf_without_a_cxx_compiler_raises_a_clear_error(monkeypatch, tmp_path):
 
     monkeypatch.delenv("CXX", raising=False)
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
-    with inductor_config.patch({"cpp.cxx": ("fxc-no-such-cxx",)}):  # restored on exit (monkeypatch would not)
-        with pytest.raises(EdfCompileError, match="need a C.. compiler"):
-            compile_package(gm, tmp_path / "x.pt2")
+    # inductor_config.patch restores the option on exit (monkeypatch would not)
+    with inductor_config.patch({"cpp.cxx": ("fxc-no-such-cxx",)}), \
+            pytest.raises(EdfCompileError, match="need a C.. compiler"):
+        compile_package(gm, tmp_path / "x.pt2")
     assert not list(tmp_path.iterdir())
 
 
@@ -109,7 +201,8 @@ def test_llm_edf_generation_artifact_and_torch_mismatch(built, tmp_path, caplog)
 
     llm, _, cache_dir, _ = built
     model_dir = llm.test_model_path
-    kw = dict(max_seq_len_to_capture=32, bucket_config=ManualBucketConfig([(1, 16)], [(2, 32)]))
+    kw = {"max_seq_len_to_capture": 32, "bucket_config": ManualBucketConfig([(1, 16)], [(2, 32)]),
+          "compiler_config_overrides": _forced_lowering()}  # the fixture's graphs
     prompts, sp = [[1, 5, 6, 7], [1, 9]], SamplingParams(max_tokens=8, temperature=0)
     fx = LLM(str(model_dir), cache_dir=None, **kw)
     expected = [o.outputs[0].token_ids for o in fx.generate(None, sp, prompt_token_ids=prompts)]
