@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .build_cache import ensure_meta
 from .capture import ModelGeometry
 from .config import SchedulerConfig
 from .pass_manager import CompileContext
@@ -158,7 +159,7 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
     key = request.cache_key(device) if enabled and cache_dir is not None and instruments is None else None
     cache = CompileCache(cache_dir) if key is not None else None
     if cache is not None:
-        hit = cache.load(key)
+        hit = cache.load(key, restore_meta=False)  # build() restores meta only if it must build
         if hit is not None:
             gm, ctx = hit
             ctx.options = {**request.options, **pass_services(device)}
@@ -182,13 +183,20 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
 
 def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str, buckets: list[Bucket], *,
           block_size: int, device: torch.device, kind: str, options: dict[str, Any], param_file_path=None,
-          param_saved_format="safetensors", cache_dir=None) -> BuildResult:
-    """Build one pipeline per bucket from an optimised program (params optionally written to a file)."""
+          param_saved_format="safetensors", cache_dir=None, program_key: str | None = None) -> BuildResult:
+    """Build one pipeline per bucket from an optimised program (params optionally written to a file).
+
+    ``program_key``: the program's compile-cache key; with ``cache_dir`` the fx pipelines are
+    looked up in (and stored to) the build cache (:mod:`fxcompiler.build_cache`)."""
     t0 = time.perf_counter()
     if kind not in ("fx", "dfg", "edf"):
         raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {kind!r}")
-    result = build_pipelines(None, buckets, model_name, kind="fx", device=str(device), block_size=block_size,
-                             options=options, optimised=program)
+    result = _build_fx(program, model_name, buckets, block_size=block_size, device=device, options=options,
+                       cache_dir=cache_dir, program_key=program_key)
+    if kind != "fx":  # the conversions read the blobs' meta['val']
+        for p in result.pipelines:
+            for blob in p.blobs.values():
+                ensure_meta(blob.graph)
     result.source_graphs = {}  # converted blob id -> the fx graph it came from (artifacts keep both)
     if kind == "dfg":  # the fx blobs as ONNX ModelProtos (one conversion per unique blob)
         from .dfg import to_dfg_pipelines
@@ -211,6 +219,31 @@ def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str,
         for p in result.pipelines:
             p.param_files = {k: info for k in p.param_files}
     log.info("build: %.1fs", time.perf_counter() - t0)
+    return result
+
+
+def _build_fx(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str, buckets: list[Bucket], *,
+              block_size: int, device: torch.device, options: dict[str, Any], cache_dir, program_key: str | None
+              ) -> BuildResult:
+    """The fx pipelines of every bucket: from the build cache, else built (and stored there)."""
+    from .build_cache import BuildCache, build_key
+
+    gm, ctx = program
+    cache = key = None
+    if cache_dir is not None and program_key is not None:
+        cache = BuildCache(cache_dir, program_key)
+        key = build_key(program_key, model_name, buckets, block_size=block_size, device=str(device), options=options)
+        t0 = time.perf_counter()
+        pipelines = cache.load(key)
+        if pipelines is not None:
+            log.info("build cache hit %s (%.2fs)", key, time.perf_counter() - t0)
+            return BuildResult(pipelines, gm, ctx, time.perf_counter() - t0, {}, None, build_cache="hit")
+    ensure_meta(gm)
+    result = build_pipelines(None, buckets, model_name, kind="fx", device=str(device), block_size=block_size,
+                             options=options, optimised=(gm, ctx))
+    result.build_cache = "off"
+    if cache is not None:
+        result.build_cache = "miss" if cache.store(key, result.pipelines) else "uncacheable"
     return result
 
 

@@ -157,7 +157,9 @@ def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext,
 
 
 def load_program(directory: Path, *, restore_meta: bool = True) -> tuple[torch.fx.GraphModule, CompileContext]:
-    """Read back what :func:`save_program` wrote (``meta['val']`` re-derived unless told not to)."""
+    """Read back what :func:`save_program` wrote. ``meta['val']`` is re-derived by fake propagation
+    (seconds for a real model) unless ``restore_meta=False``, which leaves the placeholder
+    signature in ``gm.meta['fxc_signature']`` for :func:`fxcompiler.build_cache.ensure_meta`."""
     meta = json.loads((directory / "program.json").read_text())
     if meta.get("schema") != CACHE_SCHEMA_VERSION:
         raise ValueError(f"{directory}: program schema {meta.get('schema')} != {CACHE_SCHEMA_VERSION}")
@@ -165,10 +167,12 @@ def load_program(directory: Path, *, restore_meta: bool = True) -> tuple[torch.f
     gm = graph_io.load_graph_module((directory / "graph.py").read_text(), constants)
     if "fxc_constants" in meta["graph_meta"]:
         gm.meta["fxc_constants"] = dict(meta["graph_meta"]["fxc_constants"])  # attribute -> parameter FQN
+    if meta["signature"] is None:
+        raise ValueError(f"{directory}: the program has no placeholder signature to restore shapes from")
     if restore_meta:
-        if meta["signature"] is None:
-            raise ValueError(f"{directory}: the program has no placeholder signature to restore shapes from")
         graph_io.restore_meta(gm, meta["signature"])
+    else:  # restored on demand by fxcompiler.build_cache.ensure_meta
+        gm.meta["fxc_signature"] = meta["signature"]
     params = load_tensors(directory / "params.safetensors", meta["param_aliases"])
     g = dict(meta["geometry"])
     g["dtype"] = getattr(torch, g["dtype"])
@@ -186,13 +190,13 @@ class CompileCache:
     def path(self, key: str) -> Path:
         return self.root / key
 
-    def load(self, key: str) -> tuple[torch.fx.GraphModule, CompileContext] | None:
+    def load(self, key: str, *, restore_meta: bool = True) -> tuple[torch.fx.GraphModule, CompileContext] | None:
         entry = self.path(key)
         if not (entry / "program.json").is_file():
             return None
         t0 = time.perf_counter()
         try:
-            program = load_program(entry)
+            program = load_program(entry, restore_meta=restore_meta)
         except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
             log.warning("compile cache entry %s is unreadable (%s); rebuilding it", entry, exc)
             shutil.rmtree(entry, ignore_errors=True)

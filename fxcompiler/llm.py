@@ -282,7 +282,9 @@ class LLM:
         self._build = build(
             (gm, ctx), self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
             kind=self.comp_supertask_kind, options=build_options, param_file_path=param_file_path,
-            param_saved_format=param_saved_format, cache_dir=self.cache_dir)
+            param_saved_format=param_saved_format, cache_dir=self.cache_dir,
+            program_key=self.build_info.get("cache_key"))
+        self.build_info["build_cache"] = self._build.build_cache
         self.pipelines = self._build.pipelines
         self.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in self.pipelines]
         self.kv_cache_plan = plan_kv_cache(

@@ -55,6 +55,7 @@ class BuildResult:
     seconds: float = 0.0
     pass_seconds: dict[str, float] = field(default_factory=dict)
     partition: Any = None  # passes.blockwise.BlockwisePartition when built blockwise
+    build_cache: str = "off"  # hit / miss / uncacheable / off (fxcompiler.build_cache)
 
     @property
     def params(self) -> dict[str, torch.Tensor]:

@@ -46,11 +46,53 @@ def test_second_build_hits_and_generates_the_same(llama, tmp_path, monkeypatch):
         raise AssertionError("a cache hit must not export the model")
 
     monkeypatch.setattr(fxcompiler.capture, "capture", no_export)
+    import fxcompiler.build
+    import fxcompiler.graph_io
+
+    def no_build(*a, **k):
+        raise AssertionError("a warm start must not rebuild pipelines or re-derive graph meta")
+
+    monkeypatch.setattr(fxcompiler.build, "build_pipelines", no_build)
+    monkeypatch.setattr(fxcompiler.graph_io, "restore_meta", no_build)
+    assert first.build_info["build_cache"] == "miss"
     second = _llm(llama, tmp_path)
     assert second.build_info["compile_cache"] == "hit"
+    assert second.build_info["build_cache"] == "hit"
     assert second.build_info["cache_key"] == first.build_info["cache_key"]
+    assert [p.to_dict() for p in second.pipelines] == [p.to_dict() for p in first.pipelines]
     assert _tokens(second) == expected
     assert [h["pass"] for h in second.pass_history] == [h["pass"] for h in first.pass_history]
+
+
+def test_other_buckets_reuse_the_program_but_build_their_pipelines(llama, tmp_path):
+    first = _llm(llama, tmp_path)
+    other = LLM(str(llama), max_seq_len_to_capture=64, cache_dir=tmp_path)
+    assert (other.build_info["compile_cache"], other.build_info["build_cache"]) == ("hit", "miss")
+    assert _tokens(other) == _tokens(first)
+    again = LLM(str(llama), max_seq_len_to_capture=64, cache_dir=tmp_path, comp_supertask_kind="dfg")
+    assert (again.build_info["compile_cache"], again.build_info["build_cache"]) == ("hit", "hit")
+    assert _tokens(again) == _tokens(first)
+
+
+def test_a_damaged_build_entry_is_rebuilt_with_a_warning(llama, tmp_path, caplog):
+    first = _llm(llama, tmp_path)
+    expected = _tokens(first)
+    builds = CompileCache(tmp_path).path(first.build_info["cache_key"]) / "builds"
+    (entry,) = builds.iterdir()
+    (entry / "pipelines.pkl").write_bytes(b"not a pickle")
+    with caplog.at_level("WARNING", logger="fxcompiler.cache"):
+        second = _llm(llama, tmp_path)
+    assert second.build_info["build_cache"] == "miss"
+    assert any("build cache entry" in r.getMessage() and "rebuilding" in r.getMessage() for r in caplog.records)
+    assert _tokens(second) == expected
+    assert _llm(llama, tmp_path).build_info["build_cache"] == "hit"
+
+
+@pytest.fixture(scope="module")
+def shared_cache(llama, tmp_path_factory):
+    """A cache directory holding the default build's entry, and that entry's key."""
+    cache = tmp_path_factory.mktemp("shared_cache")
+    return cache, _llm(llama, cache, skip_engine=True).build_info["cache_key"]
 
 
 @pytest.mark.parametrize("change", [
@@ -60,12 +102,12 @@ def test_second_build_hits_and_generates_the_same(llama, tmp_path, monkeypatch):
     {"compiler_config_overrides": {"passes": {"disable": ["cse"]}}},
     {"embed_all_constants_into_graph": True},
 ])
-def test_what_changes_the_program_changes_the_key(llama, tmp_path, change):
-    base = _llm(llama, tmp_path)
-    other = _llm(llama, tmp_path, **change)
+def test_what_changes_the_program_changes_the_key(llama, shared_cache, change):
+    cache, base_key = shared_cache
+    other = _llm(llama, cache, **change)
     assert other.build_info["compile_cache"] == "miss"
-    assert other.build_info["cache_key"] != base.build_info["cache_key"]
-    again = _llm(llama, tmp_path, **change)
+    assert other.build_info["cache_key"] != base_key
+    again = _llm(llama, cache, **change)
     assert again.build_info["compile_cache"] == "hit"
     assert _tokens(again) == _tokens(other)
 

@@ -1,0 +1,147 @@
+"""Build cache: the fx pipelines built from a cached optimised program, stored beside it.
+
+A compile-cache hit (:mod:`fxcompiler.compile_cache`) gives back the optimised graph; building
+the bucket pipelines from it still needs every node's ``meta['val']`` (re-derived by fake
+propagation over the whole graph) and the blockwise partition. Both are deterministic
+functions of the program and the build settings, so their result — the fx pipelines and
+their (few, shared) blob graphs — is cached too, in
+``cache_dir/compiled/<program key>/builds/<build key>/``:
+
+- ``pipelines.pkl``: the :class:`~fxcompiler.pipeline.Pipeline` records without their graphs
+  (pickled: a model has hundreds of bucket pipelines and JSON decoding them took a second);
+- ``graphs/<blob id>.py`` (+ ``.constants.safetensors``): each unique blob's code
+  (:mod:`fxcompiler.graph_io`) and ``blobs.json`` its placeholder signature, so the later
+  ``dfg``/``edf`` conversions can give a blob its ``meta['val']`` back cheaply.
+
+The build key hashes the program key, model name, buckets, KV block size, device and the
+build options (blockwise settings and the compiler options); the program key already covers the code, torch and
+transformers versions. Entries are written to a temporary directory and renamed; an entry
+that cannot be read is removed with a warning and rebuilt, never used.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import pickle
+import shutil
+import uuid
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import graph_io
+from .compile_cache import load_tensors, save_tensors
+from .pipeline import Bucket, DataBlob, Pipeline
+
+log = logging.getLogger("fxcompiler.cache")
+
+BUILD_SCHEMA_VERSION = 1
+
+
+def build_key(program_key: str, model_name: str, buckets: list[Bucket], *, block_size: int, device: str,
+              options: dict[str, Any]) -> str:
+    """Key of the pipelines built from ``program_key`` with these settings."""
+    inputs = {"schema": BUILD_SCHEMA_VERSION, "program": program_key, "model": model_name,
+              "buckets": [asdict(b) for b in buckets], "block_size": block_size, "device": device,
+              "options": options}  # all of them: a new build option is keyed before anyone remembers to
+    text = json.dumps(inputs, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+class BuildCache:
+    """``cache_dir/compiled/<program key>/builds/<build key>/`` entries of built fx pipelines."""
+
+    def __init__(self, cache_dir: str | os.PathLike, program_key: str):
+        self.root = Path(cache_dir) / "compiled" / program_key / "builds"
+
+    def path(self, key: str) -> Path:
+        return self.root / key
+
+    def load(self, key: str) -> list[Pipeline] | None:
+        """The cached pipelines (blob graphs loaded, signatures in ``gm.meta``), or None."""
+        entry = self.path(key)
+        if not entry.is_dir():
+            return None
+        try:
+            return _read(entry)
+        except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
+            log.warning("build cache entry %s is unreadable (%s); rebuilding it", entry, exc)
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+
+    def store(self, key: str, pipelines: list[Pipeline]) -> bool:
+        """Write the pipelines (fx blobs only); False when a blob cannot be stored."""
+        entry = self.path(key)
+        if entry.exists():
+            return True
+        if not (self.root.parent / "program.json").is_file():  # the program itself was not cached
+            return False
+        blobs = {b.id: b for p in pipelines for b in p.blobs.values()}
+        signatures = {}
+        for bid, blob in blobs.items():
+            if blob.kind != "fx" or not isinstance(blob.graph, torch.fx.GraphModule):
+                return False
+            signatures[bid] = graph_io.placeholder_signature(blob.graph)
+            if signatures[bid] is None:  # its meta could not be restored later
+                return False
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
+        try:
+            (tmp / "graphs").mkdir(parents=True)
+            index = {}
+            for bid, blob in blobs.items():
+                (tmp / "graphs" / f"{bid}.py").write_text(graph_io.graph_module_source(blob.graph))
+                consts = graph_io.graph_constants(blob.graph)
+                aliases = save_tensors(consts, tmp / "graphs" / f"{bid}.constants.safetensors") if consts else None
+                index[bid] = {"signature": signatures[bid], "constant_aliases": aliases}
+            (tmp / "blobs.json").write_text(json.dumps(index, sort_keys=True))
+            bare = [dataclasses.replace(p, blobs={k: DataBlob(b.id, b.kind) for k, b in p.blobs.items()})
+                    for p in pipelines]
+            with open(tmp / "pipelines.pkl", "wb") as fh:
+                pickle.dump({"schema": BUILD_SCHEMA_VERSION, "pipelines": bare}, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            os.replace(tmp, entry)
+        except OSError as exc:
+            if not entry.exists():
+                log.warning("could not write build cache entry %s: %s", entry, exc)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return True
+
+
+def _read(entry: Path) -> list[Pipeline]:
+    with open(entry / "pipelines.pkl", "rb") as fh:
+        data = pickle.load(fh)  # the user's own cache_dir, as trusted as the graph code beside it
+    if not isinstance(data, dict) or data.get("schema") != BUILD_SCHEMA_VERSION:
+        raise ValueError(f"pipelines.pkl is not a build-cache schema {BUILD_SCHEMA_VERSION} entry")
+    index = json.loads((entry / "blobs.json").read_text())
+    graphs = {}
+    for bid, info in index.items():
+        consts = {}
+        if info["constant_aliases"] is not None:
+            consts = load_tensors(entry / "graphs" / f"{bid}.constants.safetensors", info["constant_aliases"])
+        gm = graph_io.load_graph_module((entry / "graphs" / f"{bid}.py").read_text(), consts)
+        gm.meta["fxc_signature"] = info["signature"]
+        graphs[bid] = gm
+    pipelines = data["pipelines"]
+    for p in pipelines:
+        if not isinstance(p, Pipeline):
+            raise TypeError(f"pipelines.pkl holds a {type(p).__name__}, not a Pipeline")
+        p.blobs = {k: DataBlob(b.id, b.kind, graphs[b.id]) for k, b in p.blobs.items()}
+    return pipelines
+
+
+def ensure_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """Give a graph loaded from a cache its ``meta['val']`` back (once), from the placeholder
+    signature stored with it; graphs that already have it are returned as they are."""
+    signature = gm.meta.get("fxc_signature")
+    if signature is None:
+        return gm
+    if not all("val" in n.meta for n in gm.graph.nodes if n.op == "placeholder"):
+        graph_io.restore_meta(gm, signature)
+    del gm.meta["fxc_signature"]
+    return gm
