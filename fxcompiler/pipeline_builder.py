@@ -184,6 +184,7 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
     if options.get("num_blocks_per_pp_stage") is not None:
         extra_meta["num_blocks_per_pp_stage"] = [int(x) for x in options["num_blocks_per_pp_stage"]]
     dims = _dim_symbols(gm, ctx) if partition is not None else {}
+    memo: dict = {}
     pipelines = []
     for bucket in buckets:
         tensors: dict[str, TensorInfo | ParamInfo] = dict(params)
@@ -193,7 +194,7 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
                 tensors[spec.name] = infos[spec.target]
         if partition is not None:
             for name, val in partition.intermediates.items():
-                tensors[name] = _intermediate_info(val, dims, bucket)
+                tensors[name] = _intermediate_info(val, dims, bucket, memo)
         tensors["logits"] = TensorInfo([bucket.batch_size, ctx.geometry.vocab_size], dtype_name(logits_dtype))
         supertasks = {"0": SuperTask(SuperTaskKind.INPUT, [], user_names)}
         for i, task in enumerate(compute):
@@ -274,22 +275,29 @@ def _dim_symbols(gm: torch.fx.GraphModule, ctx: CompileContext) -> dict:
     return dims
 
 
-def _intermediate_info(val, dims: dict, bucket: Bucket) -> TensorInfo:
+def _intermediate_info(val, dims: dict, bucket: Bucket, memo: dict | None = None) -> TensorInfo:
     """TensorInfo of a value crossing supertasks: batch/tokens dims take the bucket's sizes,
-    other dynamic dims stay symbolic strings (``num_blocks``, ``logit_rows``...)."""
+    other dynamic dims stay symbolic strings (``num_blocks``, ``logit_rows``...).
+    ``memo``: (expr, batch, tokens) -> dim, shared over a build (the block boundaries of a
+    model repeat a handful of expressions; sympy substitution dominated building)."""
     if not isinstance(val, torch.Tensor):
         return TensorInfo([], type(val).__name__.lower())
+    memo = {} if memo is None else memo
     concrete = {"batch": bucket.batch_size, "tokens": bucket.input_ids_size}
     shape: list[int | str] = []
     for size in val.shape:
         if not isinstance(size, torch.SymInt):
             shape.append(int(size))
             continue
-        import sympy
-
         expr = size.node.expr
-        subs = {sym: sympy.Integer(concrete[name]) if name in concrete else sympy.Symbol(name)
-                for sym, name in dims.items() if sym in expr.free_symbols}
-        expr = expr.xreplace(subs)
-        shape.append(int(expr) if expr.is_Integer else str(expr))
+        key = (expr, concrete["batch"], concrete["tokens"])
+        dim = memo.get(key)
+        if dim is None:
+            import sympy
+
+            subs = {sym: sympy.Integer(concrete[name]) if name in concrete else sympy.Symbol(name)
+                    for sym, name in dims.items() if sym in expr.free_symbols}
+            done = expr.xreplace(subs)
+            dim = memo[key] = int(done) if done.is_Integer else str(done)
+        shape.append(dim)
     return TensorInfo(shape, dtype_name(val.dtype))
