@@ -183,8 +183,12 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
 
 def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str, buckets: list[Bucket], *,
           block_size: int, device: torch.device, kind: str, options: dict[str, Any], param_file_path=None,
-          param_saved_format="safetensors", cache_dir=None, program_key: str | None = None) -> BuildResult:
+          param_saved_format="safetensors", cache_dir=None, program_key: str | None = None,
+          num_compile_workers: int = 1) -> BuildResult:
     """Build one pipeline per bucket from an optimised program (params optionally written to a file).
+
+    ``num_compile_workers``: edf packages not in the cache are compiled in that many worker
+    processes at once; the fx and dfg kinds have nothing expensive to compile and ignore it.
 
     ``program_key``: the program's compile-cache key; with ``cache_dir`` the fx pipelines are
     looked up in (and stored to) the build cache (:mod:`fxcompiler.build_cache`)."""
@@ -207,7 +211,7 @@ def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str,
 
         fx_pipelines = result.pipelines
         stats: dict = {}
-        result.pipelines = to_edf_pipelines(fx_pipelines, cache_dir, stats=stats)
+        result.pipelines = to_edf_pipelines(fx_pipelines, cache_dir, stats=stats, num_workers=num_compile_workers)
         for fx_pipe, edf_pipe in zip(fx_pipelines, result.pipelines):
             for key, task in edf_pipe.supertasks.items():
                 if task.data_blob is not None:

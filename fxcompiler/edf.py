@@ -87,7 +87,15 @@ class EdfPackage:
 EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).
-INDUCTOR_OPTIONS: dict[str, Any] = {}
+# ``cpp.threads=1``: Inductor's own loops (the elementwise/reduction code around the extern
+# calls) are generated serial; the fxc kernels and ATen's mm keep their threads. Without it
+# the generated code depends on the compiling process's thread count (``#pragma omp parallel``
+# when it equals the core count, else ``num_threads(n)`` hard-coded), and at decode every
+# such region is a fork/join for a few hundred elements. Measured on SmolLM2 (2 threads,
+# noisy shared VM, step time of the b1 pipelines): decode min 21.1 vs 21.2 ms with
+# medians 27-30 ms for both but a 2-3 ms/step embedding blob without it when the other
+# core is busy; prefill of 256 tokens min 362 vs 400 ms. So serial it is.
+INDUCTOR_OPTIONS: dict[str, Any] = {"cpp.threads": 1}
 
 
 def extern_ops(device: torch.device | str = "cpu") -> tuple[str, ...]:
@@ -296,24 +304,36 @@ def package_dir(cache_dir: str | os.PathLike | None) -> Path:
     return (Path(cache_dir) if cache_dir is not None else _default_cache_dir()) / "edf"
 
 
+def _check_fx_blob(blob: DataBlob) -> None:
+    if blob.kind != "fx" or not isinstance(blob.graph, torch.fx.GraphModule):
+        raise ValueError(f"blob {blob.id} is a {blob.kind!r} blob holding {type(blob.graph).__name__}; "
+                         "to_edf converts fx blobs with their GraphModule")
+
+
+def _package_path(blob: DataBlob, cache_dir, device: torch.device) -> tuple[str, Path]:
+    key = package_key(blob.graph, device)
+    return key, package_dir(cache_dir) / f"{key}{PACKAGE_SUFFIX}"
+
+
+def _edf_blob(key: str, path: Path, device: torch.device) -> DataBlob:
+    return DataBlob(key[:20], "edf", EdfPackage(str(path), key, device.type))
+
+
 def to_edf_blob(blob: DataBlob, cache_dir: str | os.PathLike | None, device: torch.device | str = "cpu",
                 stats: dict | None = None) -> DataBlob:
     """The edf DataBlob of an fx blob: its package from ``<cache_dir>/edf/<key>.pt2``, compiled
     there first when missing. ``stats`` (optional) counts ``compiled``/``cached`` and sums
     ``compile_s``."""
-    if blob.kind != "fx" or not isinstance(blob.graph, torch.fx.GraphModule):
-        raise ValueError(f"blob {blob.id} is a {blob.kind!r} blob holding {type(blob.graph).__name__}; "
-                         "to_edf converts fx blobs with their GraphModule")
+    _check_fx_blob(blob)
     device = torch.device(device)
-    key = package_key(blob.graph, device)
-    path = package_dir(cache_dir) / f"{key}{PACKAGE_SUFFIX}"
+    key, path = _package_path(blob, cache_dir, device)
     if path.is_file():
         _count(stats, "cached")
     else:
         t0 = time.perf_counter()
         compile_package(blob.graph, path, device, name=f"fx:{blob.id}")
         _count(stats, "compiled", time.perf_counter() - t0)
-    return DataBlob(key[:20], "edf", EdfPackage(str(path), key, device.type))
+    return _edf_blob(key, path, device)
 
 
 def _count(stats: dict | None, what: str, seconds: float = 0.0) -> None:
@@ -329,6 +349,16 @@ def _device_of(pipeline: Pipeline, task) -> torch.device:
     return torch.device("cpu" if dev is None else str(dev))
 
 
+def _fx_tasks(pipeline: Pipeline) -> list:
+    return [t for t in pipeline.supertasks.values() if t.kind is SuperTaskKind.FX]
+
+
+def _target_device(pipeline: Pipeline, device) -> torch.device:
+    fx_tasks = _fx_tasks(pipeline)
+    return torch.device(device) if device is not None else (
+        _device_of(pipeline, fx_tasks[0]) if fx_tasks else torch.device("cpu"))
+
+
 def to_edf_pipeline(pipeline: Pipeline, cache_dir: str | os.PathLike | None,
                     cache: dict[tuple[str, str], DataBlob] | None = None, *,
                     device: torch.device | str | None = None, stats: dict | None = None) -> Pipeline:
@@ -339,9 +369,7 @@ def to_edf_pipeline(pipeline: Pipeline, cache_dir: str | os.PathLike | None,
     supertask's device in ``pipeline.devices``, else CPU). Non-fx supertasks, tensors, params and
     metadata are kept (copied)."""
     cache = {} if cache is None else cache
-    fx_tasks = [t for t in pipeline.supertasks.values() if t.kind is SuperTaskKind.FX]
-    dev = torch.device(device) if device is not None else (
-        _device_of(pipeline, fx_tasks[0]) if fx_tasks else torch.device("cpu"))
+    dev = _target_device(pipeline, device)
 
     def convert(blob: DataBlob) -> DataBlob:
         if (blob.id, dev.type) not in cache:
@@ -352,13 +380,147 @@ def to_edf_pipeline(pipeline: Pipeline, cache_dir: str | os.PathLike | None,
 
 
 def to_edf_pipelines(pipelines: list[Pipeline], cache_dir: str | os.PathLike | None, *,
-                     device: torch.device | str | None = None, stats: dict | None = None) -> list[Pipeline]:
+                     device: torch.device | str | None = None, stats: dict | None = None,
+                     num_workers: int = 1) -> list[Pipeline]:
     """:func:`to_edf_pipeline` over a model's pipelines, compiling each shared blob once
     (packages under ``<cache_dir>/edf``; ``cache_dir=None``: a temporary directory for this
     process). Raises :class:`EdfCompileError` when a blob cannot be compiled (e.g. no C++
-    compiler)."""
+    compiler).
+
+    ``num_workers > 1``: the packages that are not in the cache yet are compiled in up to that
+    many worker processes at once (:func:`compile_packages_in_workers`); 1 compiles them one
+    after the other in this process."""
+    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
+        raise ValueError(f"num_workers must be a positive int, got {num_workers!r}")
     cache: dict[tuple[str, str], DataBlob] = {}
+    if num_workers > 1:
+        cache = _prepare_in_workers(pipelines, cache_dir, device, stats, num_workers)
     return [to_edf_pipeline(p, cache_dir, cache, device=device, stats=stats) for p in pipelines]
+
+
+# --------------------------------------------------------------------------- parallel compilation
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileJob:
+    """What a worker process needs to compile one package: the blob's graph as code (see
+    :mod:`fxcompiler.graph_io`), its constants (``torch.save`` bytes), its placeholder signature
+    (to restore ``meta['val']``), the target device kind, the fxc ops kept as calls, and the
+    package path (written atomically by the worker)."""
+
+    name: str
+    source: str
+    constants: bytes
+    signature: dict
+    device: str
+    extern: tuple[str, ...]
+    path: str
+
+
+def compile_job(blob: DataBlob, path: str | os.PathLike, device: torch.device | str = "cpu") -> CompileJob | None:
+    """The :class:`CompileJob` of an fx blob, or None when its graph cannot travel as code (a
+    placeholder with a compound symbolic dim has no signature to restore its meta from)."""
+    import io
+
+    from .graph_io import graph_constants, graph_module_source, placeholder_signature
+
+    _check_fx_blob(blob)
+    signature = placeholder_signature(blob.graph)
+    if signature is None:
+        return None
+    buf = io.BytesIO()
+    torch.save({k: v.contiguous() for k, v in graph_constants(blob.graph).items()}, buf)
+    device = torch.device(device)
+    return CompileJob(f"fx:{blob.id}", graph_module_source(blob.graph), buf.getvalue(), signature, str(device),
+                      extern_ops(device), str(path))
+
+
+def run_compile_job(job: CompileJob) -> float:
+    """Worker entry point: rebuild the blob's GraphModule from the job and compile its package
+    to ``job.path``; returns the seconds it took (graph load included)."""
+    import io
+
+    from .graph_io import load_graph_module, restore_meta
+
+    t0 = time.perf_counter()
+    constants = torch.load(io.BytesIO(job.constants), weights_only=True)
+    gm = load_graph_module(job.source, constants)
+    restore_meta(gm, job.signature)
+    compile_package(gm, job.path, job.device, name=job.name, extern=job.extern)
+    return time.perf_counter() - t0
+
+
+def _worker_init() -> None:
+    torch.set_num_threads(1)  # each worker compiles one package at a time; g++ is single-threaded anyway
+
+
+def compile_packages_in_workers(jobs: list[CompileJob], num_workers: int) -> list[float]:
+    """Run compile jobs in a pool of ``min(num_workers, len(jobs))`` worker processes (``spawn``
+    start method: nothing of this process, threads included, is inherited; each worker imports
+    torch and fxcompiler itself, ~2-4 s). Returns each job's seconds, in order; the first
+    failure is raised as :class:`EdfCompileError` (packages already written stay in the cache).
+
+    As with any ``spawn`` pool, a script that builds an LLM with ``num_compile_workers > 1``
+    at import time must do so under ``if __name__ == "__main__":`` (the workers import the
+    main module)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    if not jobs:
+        return []
+    _check_compiler()  # fail here, with the clear message, rather than once per worker
+    ctx = multiprocessing.get_context("spawn")
+    workers = min(num_workers, len(jobs))
+    try:
+        with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
+            # longest first (transformer blocks), so the small blobs fill the other workers
+            order = sorted(range(len(jobs)), key=lambda i: -len(jobs[i].source))
+            futures = {i: pool.submit(run_compile_job, jobs[i]) for i in order}
+            return [futures[i].result() for i in range(len(jobs))]
+    except BrokenProcessPool as exc:
+        raise EdfCompileError(f"edf: a compile worker process died ({exc}); try num_compile_workers=1") from exc
+
+
+def _prepare_in_workers(pipelines: list[Pipeline], cache_dir, device, stats: dict | None,
+                        num_workers: int) -> dict[tuple[str, str], DataBlob]:
+    """The (fx blob id, device type) → edf DataBlob map of every unique fx blob of
+    ``pipelines``, the missing packages compiled in worker processes (blobs that cannot travel
+    as code are compiled here, one after the other)."""
+    unique: dict[tuple[str, str], tuple[DataBlob, torch.device]] = {}
+    for p in pipelines:
+        dev = _target_device(p, device)
+        for task in _fx_tasks(p):
+            blob = p.blobs[task.data_blob]
+            unique.setdefault((blob.id, dev.type), (blob, dev))
+    cache: dict[tuple[str, str], DataBlob] = {}
+    jobs: list[CompileJob] = []
+    for ident, (blob, dev) in unique.items():
+        _check_fx_blob(blob)
+        key, path = _package_path(blob, cache_dir, dev)
+        cache[ident] = _edf_blob(key, path, dev)
+        if path.is_file():
+            _count(stats, "cached")
+            continue
+        job = compile_job(blob, path, dev)
+        if job is None:
+            cache[ident] = to_edf_blob(blob, cache_dir, dev, stats)
+        else:
+            jobs.append(job)
+    if jobs:
+        path = Path(jobs[0].path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        seconds = compile_packages_in_workers(jobs, num_workers)
+        for s in seconds:
+            _count(stats, "compiled", s)
+        if stats is not None:
+            stats["workers"] = min(num_workers, len(jobs))
+            stats["parallel_wall_s"] = stats.get("parallel_wall_s", 0.0) + time.perf_counter() - t0
+    for ident, blob in cache.items():
+        if not Path(blob.graph.path).is_file():  # pragma: no cover - a worker returned without writing
+            raise EdfCompileError(f"edf: the worker compiling fx blob {ident[0]} wrote no package {blob.graph.path}")
+    return cache
 
 
 def extern_kernel_calls(path: str | os.PathLike) -> list[str]:
@@ -376,6 +538,7 @@ def extern_kernel_calls(path: str | os.PathLike) -> list[str]:
                 if isinstance(doc, dict) and isinstance(doc.get("nodes"), list):
                     calls += [n["node"]["target"] for n in doc["nodes"]]
     return calls
+
 
 
 # --------------------------------------------------------------------------- artifacts

@@ -221,3 +221,36 @@ def test_llm_edf_generation_artifact_and_torch_mismatch(built, tmp_path, caplog)
         again = LLM.load_artifact(other, cache_dir=cache_dir)
     assert "recompiling edf package" in caplog.text
     assert [o.outputs[0].token_ids for o in again.generate(None, sp, prompt_token_ids=prompts)] == expected
+
+
+@pytest.mark.slow
+def test_llm_edf_num_compile_workers_compiles_in_parallel(built, tmp_path, caplog):
+    """num_compile_workers=2: the 3 missing packages compile in 2 spawned worker processes (from
+    the blobs' code and signatures), under the same keys as in-process compilation, and the
+    LLM generates what fx generates."""
+    import logging
+
+    from fxcompiler import LLM, ManualBucketConfig, SamplingParams
+
+    llm, _, serial_cache, _ = built
+    kw = {"max_seq_len_to_capture": 32, "bucket_config": ManualBucketConfig([(1, 16)], [(2, 32)]),
+          "compiler_config_overrides": _forced_lowering()}
+    prompts, sp = [[1, 5, 6, 7], [1, 9]], SamplingParams(max_tokens=8, temperature=0)
+    expected = [o.outputs[0].token_ids
+                for o in LLM(str(llm.test_model_path), cache_dir=None, **kw).generate(None, sp, prompt_token_ids=prompts)]
+    cache = tmp_path / "cache"
+    with caplog.at_level(logging.INFO, logger="fxcompiler.build"):
+        edf = LLM(str(llm.test_model_path), cache_dir=cache, comp_supertask_kind="edf", num_compile_workers=2, **kw)
+    stats = next(r.args for r in caplog.records if r.getMessage().startswith("edf: "))  # the logged dict
+    assert stats["compiled"] == 3 and stats["workers"] == 2 and stats.get("cached", 0) == 0, stats
+    packages = sorted(p.name for p in (cache / "edf").glob("*"))
+    assert packages == sorted(p.name for p in (Path(serial_cache) / "edf").glob("*.pt2"))  # no temporaries left
+    assert [o.outputs[0].token_ids for o in edf.generate(None, sp, prompt_token_ids=prompts)] == expected
+
+
+def test_to_edf_pipelines_rejects_bad_num_workers():
+    from fxcompiler.edf import to_edf_pipelines
+
+    for bad in (0, -1, True, 1.5):
+        with pytest.raises(ValueError, match="num_workers"):
+            to_edf_pipelines([], None, num_workers=bad)
