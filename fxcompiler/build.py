@@ -184,8 +184,11 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
 def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str, buckets: list[Bucket], *,
           block_size: int, device: torch.device, kind: str, options: dict[str, Any], param_file_path=None,
           param_saved_format="safetensors", cache_dir=None, program_key: str | None = None,
-          num_compile_workers: int = 1) -> BuildResult:
+          num_compile_workers: int = 1, num_pipeline_builder_workers: int = 1) -> BuildResult:
     """Build one pipeline per bucket from an optimised program (params optionally written to a file).
+
+    ``num_pipeline_builder_workers``: bucket pipelines are built in that many forked processes
+    when there are enough buckets to pay for them (see ``pipeline_builder.MIN_BUCKETS_PER_WORKER``).
 
     ``num_compile_workers``: edf packages not in the cache are compiled in that many worker
     processes at once; the fx and dfg kinds have nothing expensive to compile and ignore it.
@@ -196,7 +199,7 @@ def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str,
     if kind not in ("fx", "dfg", "edf"):
         raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {kind!r}")
     result = _build_fx(program, model_name, buckets, block_size=block_size, device=device, options=options,
-                       cache_dir=cache_dir, program_key=program_key)
+                       cache_dir=cache_dir, program_key=program_key, workers=num_pipeline_builder_workers)
     if kind != "fx":  # the conversions read the blobs' meta['val']
         for p in result.pipelines:
             for blob in p.blobs.values():
@@ -227,8 +230,8 @@ def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str,
 
 
 def _build_fx(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str, buckets: list[Bucket], *,
-              block_size: int, device: torch.device, options: dict[str, Any], cache_dir, program_key: str | None
-              ) -> BuildResult:
+              block_size: int, device: torch.device, options: dict[str, Any], cache_dir, program_key: str | None,
+              workers: int = 1) -> BuildResult:
     """The fx pipelines of every bucket: from the build cache, else built (and stored there)."""
     from .build_cache import BuildCache, build_key
 
@@ -244,7 +247,7 @@ def _build_fx(program: tuple[torch.fx.GraphModule, CompileContext], model_name: 
             return BuildResult(pipelines, gm, ctx, time.perf_counter() - t0, {}, None, build_cache="hit")
     ensure_meta(gm)
     result = build_pipelines(None, buckets, model_name, kind="fx", device=str(device), block_size=block_size,
-                             options=options, optimised=(gm, ctx))
+                             options=options, optimised=(gm, ctx), workers=workers)
     result.build_cache = "off"
     if cache is not None:
         result.build_cache = "miss" if cache.store(key, result.pipelines) else "uncacheable"

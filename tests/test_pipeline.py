@@ -53,3 +53,26 @@ def test_built_pipelines_are_json_and_share_one_blob(tiny_models):
     assert params and all(t["dtype"] == dtype_name("torch.float32") for t in params)
     with pytest.raises(RuntimeError, match="skip_engine"):
         llm.generate("x")
+
+
+def test_pipeline_builder_workers_build_the_same_pipelines(tiny_models, monkeypatch, caplog):
+    """``num_pipeline_builder_workers=2``: buckets built in two forked workers give the same
+    pipelines (same order, JSON, blob ids) with the parent's graphs attached."""
+    import multiprocessing
+
+    from fxcompiler import LLM, pipeline_builder
+
+    if "fork" not in multiprocessing.get_all_start_methods():
+        pytest.skip("this platform cannot fork: the builder falls back to one process")
+    serial = LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True)
+    monkeypatch.setattr(pipeline_builder, "MIN_BUCKETS_PER_WORKER", 1)
+    with caplog.at_level("INFO", logger="fxcompiler.build"):
+        parallel = LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True,
+                       num_pipeline_builder_workers=2)
+    assert any("in 2 worker processes" in r.getMessage() for r in caplog.records)
+    assert [p.to_json() for p in parallel.pipelines] == [p.to_json() for p in serial.pipelines]
+    for p in parallel.pipelines:
+        assert all(b.graph is parallel.pipelines[0].blobs[k].graph for k, b in p.blobs.items())
+    with pytest.raises(ValueError, match="num_pipeline_builder_workers"):
+        LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True,
+            num_pipeline_builder_workers=0)
