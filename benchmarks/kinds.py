@@ -1,8 +1,10 @@
 """Supertask kinds side by side on SmolLM2 (fp32, 2 threads, one process, same weights):
-build time cold (export + passes + pipelines + kind conversion) and warm (compile-cache
-hit), unique graph blobs, and batch-1 decode tokens/s per kind next to transformers.
+build time cold (export + passes + pipelines + kind conversion; for edf every package
+compiled afresh into an empty package directory, with each ``--compile-workers`` count) and
+warm (compile-cache and package-cache hits), unique graph blobs, and batch-1 decode tokens/s
+per kind next to transformers.
 
-    .venv/bin/python benchmarks/kinds.py [--kinds fx,dfg,edf] [--tokens 64] [--json out.json]
+    .venv/bin/python benchmarks/kinds.py [--kinds fx,dfg,edf] [--compile-workers 1,2] [--tokens 64] [--json out.json]
 
 Kinds that are not implemented (or fail to build here) are reported as such, not skipped
 silently. Run it alone on the machine.
@@ -15,7 +17,9 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -34,6 +38,21 @@ def median_decode_rate(run, tokens: int, reps: int) -> float:
         first = run(1)
         rates.append((tokens - 1) / (run(tokens) - first))
     return statistics.median(rates)
+
+
+@contextmanager
+def fresh_edf_packages():
+    """edf packages compiled into (and looked up in) an empty temporary directory, so a cold
+    build compiles every package instead of finding it in ``cache_dir/edf``."""
+    from fxcompiler import edf
+
+    original = edf.package_dir
+    with tempfile.TemporaryDirectory(prefix="kinds-edf-") as tmp:
+        edf.package_dir = lambda cache_dir: Path(tmp) / "edf"
+        try:
+            yield
+        finally:
+            edf.package_dir = original
 
 
 def decode_tok_s(llm, tokens: int, reps: int) -> float:
@@ -63,6 +82,7 @@ def hf_decode_tok_s(model, tok, tokens: int, reps: int) -> float:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--kinds", default="fx,dfg,edf")
+    ap.add_argument("--compile-workers", default="1,2", help="edf cold builds with each num_compile_workers")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--max-seq-len-to-capture", type=int, default=512)
@@ -79,11 +99,17 @@ def main(argv=None) -> int:
         row: dict = {}
         try:
             os.environ["FXCOMPILER_COMPILE_CACHE"] = "0"
-            t0 = time.perf_counter()
-            llm = LLM(DEFAULT_MODEL_ID, comp_supertask_kind=kind, skip_engine=True, **common)
-            row["build_cold_s"] = time.perf_counter() - t0
-            del llm
-            gc.collect()
+            workers = [int(w) for w in args.compile_workers.split(",")] if kind == "edf" else [1]
+            for w in workers:
+                with fresh_edf_packages():
+                    t0 = time.perf_counter()
+                    llm = LLM(DEFAULT_MODEL_ID, comp_supertask_kind=kind, skip_engine=True, num_compile_workers=w,
+                              **common)
+                    seconds = time.perf_counter() - t0
+                row.setdefault("build_cold_s", seconds)
+                row.setdefault("build_cold_s_by_compile_workers", {})[w] = seconds
+                del llm
+                gc.collect()
             os.environ.pop("FXCOMPILER_COMPILE_CACHE")
             LLM(DEFAULT_MODEL_ID, comp_supertask_kind=kind, skip_engine=True, **common)  # fill the cache
             t0 = time.perf_counter()
@@ -114,7 +140,9 @@ def main(argv=None) -> int:
     for kind, row in rows.items():
         if "decode_tok_s" in row:
             row["ratio_vs_transformers"] = row["decode_tok_s"] / hf_rate
-            print(f"{kind:4s} cold {row['build_cold_s']:6.1f} s  warm {row['build_warm_s']:5.1f} s "
+            cold = "/".join(f"{v:.1f}" for v in row["build_cold_s_by_compile_workers"].values())
+            workers = "/".join(str(w) for w in row["build_cold_s_by_compile_workers"])
+            print(f"{kind:4s} cold {cold} s ({workers} compile workers)  warm {row['build_warm_s']:5.1f} s "
                   f"({row['compile_cache']})  blobs {row['unique_blobs']} ({row['supertasks_per_pipeline']} "
                   f"supertasks/pipeline)  decode {row['decode_tok_s']:5.1f} tok/s = "
                   f"{row['ratio_vs_transformers']:.2f}x transformers")

@@ -215,6 +215,19 @@ def _sources_fingerprint() -> str:
     return h.hexdigest()
 
 
+def _canonical_dim(dim, symbols: dict) -> str:
+    """``dim`` as text with its symbols renamed ``d0, d1, ...`` in order of first appearance
+    (``symbols`` carries the renaming across a graph's placeholders)."""
+    if not isinstance(dim, torch.SymInt):
+        return str(int(dim))
+    import sympy
+
+    expr = dim.node.expr
+    for sym in sorted(expr.free_symbols, key=str):
+        symbols.setdefault(sym, sympy.Symbol(f"d{len(symbols)}", integer=True, positive=True))
+    return str(expr.xreplace({sym: symbols[sym] for sym in expr.free_symbols}))
+
+
 def package_key(gm: torch.fx.GraphModule, device: torch.device | str = "cpu",
                 extern: tuple[str, ...] | None = None) -> str:
     """Content key of the package compiled from ``gm`` for ``device``'s kind (sha256 hex): graph
@@ -231,9 +244,12 @@ def package_key(gm: torch.fx.GraphModule, device: torch.device | str = "cpu",
     # The code of the graph as loading it back gives it (node names are re-derived by the
     # tracer), so a graph rebuilt from an artifact's fx source has the key of the original.
     h.update(graph_module_source(load_graph_module(graph_module_source(gm), graph_constants(gm))).encode())
+    # Symbolic dims by order of first appearance, not by name: the symbols of a graph whose meta
+    # was re-derived (compile/build cache hits, artifacts) have other names for the same dims.
+    symbols: dict[Any, Any] = {}
     for n in _placeholders(gm):
         v = n.meta["val"]
-        h.update(f"{n.name}:{v.dtype}:{[str(d) for d in v.shape]}\n".encode())
+        h.update(f"{n.name}:{v.dtype}:{[_canonical_dim(d, symbols) for d in v.shape]}\n".encode())
     for name, t in sorted(graph_constants(gm).items()):
         h.update(f"{name}:{t.dtype}:{list(t.shape)}\n".encode())
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
@@ -450,6 +466,21 @@ def run_compile_job(job: CompileJob) -> float:
     return time.perf_counter() - t0
 
 
+def check_spawn_safe() -> None:
+    """Raise :class:`EdfCompileError` when called while a spawned worker process is importing
+    the main module: a script that builds an LLM with ``num_compile_workers > 1`` at import
+    time (no ``if __name__ == "__main__":``) would otherwise build it again in every compile
+    worker, and each of those would try to start workers of its own."""
+    import multiprocessing
+
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise EdfCompileError(_GUARD_HINT)
+
+
+_GUARD_HINT = ("edf compile workers are spawned processes that import the main module: build the LLM with "
+               "num_compile_workers > 1 under `if __name__ == \"__main__\":` in a script (or use num_compile_workers=1)")
+
+
 def _worker_init() -> None:
     torch.set_num_threads(1)  # each worker compiles one package at a time; g++ is single-threaded anyway
 
@@ -469,6 +500,7 @@ def compile_packages_in_workers(jobs: list[CompileJob], num_workers: int) -> lis
 
     if not jobs:
         return []
+    check_spawn_safe()
     _check_compiler()  # fail here, with the clear message, rather than once per worker
     ctx = multiprocessing.get_context("spawn")
     workers = min(num_workers, len(jobs))
@@ -479,7 +511,8 @@ def compile_packages_in_workers(jobs: list[CompileJob], num_workers: int) -> lis
             futures = {i: pool.submit(run_compile_job, jobs[i]) for i in order}
             return [futures[i].result() for i in range(len(jobs))]
     except BrokenProcessPool as exc:
-        raise EdfCompileError(f"edf: a compile worker process died ({exc}); try num_compile_workers=1") from exc
+        raise EdfCompileError(f"edf: a compile worker process died ({exc}). If the main script builds the LLM at "
+                              f"import time, that is why: {_GUARD_HINT}") from exc
 
 
 def _prepare_in_workers(pipelines: list[Pipeline], cache_dir, device, stats: dict | None,

@@ -195,8 +195,10 @@ class LLM:
                             f"{type(kv_cache_sharing_across_beams_config).__name__}")
         self.prefill_chunk_size = resolve_prefill_chunk_size(
             prefill_chunk_size, scheduler_config.prefill_chunk_size, enable_chunked_prefill, max_num_batched_tokens)
-        if num_pipeline_builder_workers != 1:  # num_compile_workers: edf packages compile in parallel
-            raise _later("parallel pipeline building", "issue 4, blockwise compilation")
+        if num_compile_workers > 1 and comp_supertask_kind == "edf":
+            from .edf import check_spawn_safe
+
+            check_spawn_safe()  # not while a compile worker re-imports an unguarded main script
         custom = [getattr(b, "bucket", b) for b in _custom_buckets]  # Bucket or BucketWithOutputLogitsSize
         if not all(isinstance(b, Bucket) for b in custom):
             raise TypeError("_custom_buckets must hold Bucket objects")
@@ -283,7 +285,8 @@ class LLM:
             (gm, ctx), self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
             kind=self.comp_supertask_kind, options=build_options, param_file_path=param_file_path,
             param_saved_format=param_saved_format, cache_dir=self.cache_dir,
-            program_key=self.build_info.get("cache_key"), num_compile_workers=num_compile_workers)
+            program_key=self.build_info.get("cache_key"), num_compile_workers=num_compile_workers,
+            num_pipeline_builder_workers=num_pipeline_builder_workers)
         self.build_info["build_cache"] = self._build.build_cache
         self.pipelines = self._build.pipelines
         self.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in self.pipelines]

@@ -163,6 +163,31 @@ def test_edf_extern_ops_policy_and_package_key():
     assert edf.package_key(gm, "cpu") == edf.package_key(gm, "cpu", extern=edf.extern_ops("cpu"))
 
 
+def test_package_key_ignores_symbol_names():
+    """Graphs whose meta was re-derived (compile/build cache hits, artifacts) name their symbolic
+    dims differently; the package key must not see it (else every warm start recompiles)."""
+    from fxcompiler import edf
+    from fxcompiler.graph_io import restore_meta
+
+    class M(torch.nn.Module):
+        def forward(self, x, table):
+            return (torch.ops.fxc.rms_norm.default(x, x[0, 0], 1e-6), table + 1)
+
+    keys = set()
+    for a, b, c in (("s1", "s2", "s3"), ("s99", "s7", "s3"), ("s5", "s4", "s0")):
+        gm = torch.fx.symbolic_trace(M())
+        restore_meta(gm, {"placeholders": {"x": {"shape": [a, b, 8], "dtype": "float32"},
+                                           "table": {"shape": [a, c], "dtype": "int64"}},
+                          "hints": {a: 2, b: 3, c: 4}})
+        keys.add(edf.package_key(gm))
+    assert len(keys) == 1
+    gm = torch.fx.symbolic_trace(M())  # sharing a dim differently is another graph
+    restore_meta(gm, {"placeholders": {"x": {"shape": ["s1", "s2", 8], "dtype": "float32"},
+                                       "table": {"shape": ["s2", "s3"], "dtype": "int64"}},
+                      "hints": {"s1": 2, "s2": 3, "s3": 4}})
+    assert edf.package_key(gm) not in keys
+
+
 @pytest.mark.slow
 def test_edf_second_conversion_hits_the_cache(built):
     from fxcompiler.edf import to_edf_pipelines
@@ -208,6 +233,7 @@ def test_llm_edf_generation_artifact_and_torch_mismatch(built, tmp_path, caplog)
     expected = [o.outputs[0].token_ids for o in fx.generate(None, sp, prompt_token_ids=prompts)]
     edf = LLM(str(model_dir), cache_dir=cache_dir, comp_supertask_kind="edf", artifacts_export_path=tmp_path / "a",
               **kw)  # the packages of the module fixture are cache hits: nothing compiles
+    assert len(list((Path(cache_dir) / "edf").glob("*"))) == 3  # (the program and its pipelines are cache hits too)
     assert {b.kind for p in edf.pipelines for b in p.blobs.values()} == {"edf"}
     assert [o.outputs[0].token_ids for o in edf.generate(None, sp, prompt_token_ids=prompts)] == expected
     loaded = LLM.load_artifact(tmp_path / "a", cache_dir=cache_dir)
