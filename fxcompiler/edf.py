@@ -17,17 +17,21 @@ ones: each unique fx blob (identical transformer blocks share one) is
    ``<cache_dir>/edf/<key>.pt2``. The kept ``fxc`` calls become AOTInductor *fallback
    kernels*: the package's ``<model>.wrapper.json`` describes each call and the generated
    code runs it with ``aoti_torch_proxy_executor_call_function``, which the runtime's
-   proxy executor turns into a boxed call of the op that the c10 dispatcher resolves when
-   the package is loaded (~1 us a call measured here; the op and its kernel only need to be
-   registered in the loading process: ``import fxcompiler`` defines the ops and the edf
-   backend installs the CPU kernels; without them the op's own ATen reference runs, same
-   results, slower). ``key`` (:func:`package_key`) hashes the graph code and placeholder
-   shapes, the device kind, the kept ops, the Inductor options, the torch version and the
-   sources this module rewrites with, so a second conversion finds the package and compiles
-   nothing.
+   proxy executor turns into a boxed call of the op, looked up in the c10 dispatcher when
+   the package is loaded (~1 us a call measured here). The op only has to be registered in
+   the loading process (``import fxcompiler`` defines the ``fxc`` schemas; loading fails
+   with "Could not find schema for fxc::..." without them) and its kernel is whatever the
+   dispatcher holds at call time (the edf CPU backend installs the C++ kernels; without them
+   the op's ATen reference runs: same results, slower). ``key`` (:func:`package_key`) hashes
+   the graph code and placeholder shapes (symbolic dims by order of appearance, not name),
+   the device kind, the kept ops, the Inductor options (:data:`INDUCTOR_OPTIONS`), the torch
+   version and the sources this module rewrites with, so a second conversion finds the
+   package and compiles nothing. ``to_edf_pipelines(num_workers=n)`` compiles the missing
+   packages in ``n`` spawned worker processes (:func:`compile_packages_in_workers`).
 
-The paged KV-cache write (``index_copy_`` into views of the ``k_cache``/``v_cache`` inputs)
-stays an input mutation: the compiled package updates the caller's cache tensors in place,
+The paged KV-cache write stays an input mutation: ``fxc::paged_attention`` writes the
+``k_cache``/``v_cache`` inputs in place (an extern call on CPU; ``index_copy_`` into views
+of them where the reference is compiled), so the package updates the caller's cache tensors
 as the fx graph does.
 
 An edf :class:`~fxcompiler.pipeline.DataBlob` holds an :class:`EdfPackage` (the ``.pt2``
@@ -79,11 +83,13 @@ class EdfPackage:
 
 # fxc ops (by name) that stay calls into the op inside a package, per device type: the ops
 # with device kernels that beat what Inductor generates from their ATen reference. Measured
-# on SmolLM2's block (decode, 1 thread, CPU time per call): fxc::linear + fxc::paged_attention
-# kept 640 us, every fxc op kept 670 us, all rewritten to ATen 2160 us (the references unpack
-# the prepacked weights and gather the paged context on every call); the fused elementwise
-# ops tie or lose to Inductor's fusion of their references (rms_norm with the residual add,
-# rope with the q/k split), and each extern call costs a fused loop. CUDA has no fxc kernels.
+# on SmolLM2's block package (decode, one block's weights called over and over, 1 thread,
+# CPU time per call): fxc::linear + fxc::paged_attention kept 640 us, every fxc op kept
+# 670 us, all rewritten to ATen 2160 us (the references unpack the prepacked weights and
+# gather the paged context on every call); keeping rms_norm, silu_mul or rope as well ties
+# (647-654 us): Inductor fuses their references with their neighbours (rms_norm with the
+# residual add, rope with the q/k split) and an extern call of a Python-registered kernel
+# costs ~2 us more than a fused loop. CUDA has no fxc kernels: everything is ATen there.
 EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).
@@ -91,10 +97,10 @@ EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "paged_
 # calls) are generated serial; the fxc kernels and ATen's mm keep their threads. Without it
 # the generated code depends on the compiling process's thread count (``#pragma omp parallel``
 # when it equals the core count, else ``num_threads(n)`` hard-coded), and at decode every
-# such region is a fork/join for a few hundred elements. Measured on SmolLM2 (2 threads,
-# noisy shared VM, step time of the b1 pipelines): decode min 21.1 vs 21.2 ms with
-# medians 27-30 ms for both but a 2-3 ms/step embedding blob without it when the other
-# core is busy; prefill of 256 tokens min 362 vs 400 ms. So serial it is.
+# such region is a fork/join over a few hundred elements. Measured on SmolLM2's b1 pipelines
+# (2 threads, shared VM with the other core often busy; serial vs parallel): decode step min
+# 22.5 / 21.1 vs 21.0 / 21.2 ms, median 27.1 / 30.4 vs 220 / 29.3 ms in two runs, the
+# embedding package alone 0.05 vs 1.8-2.9 ms a step; prefill of 256 tokens min 362 vs 400 ms.
 INDUCTOR_OPTIONS: dict[str, Any] = {"cpp.threads": 1}
 
 
