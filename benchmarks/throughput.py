@@ -9,6 +9,7 @@ Peak RSS of fxcompiler alone is measured in a child process.
     .venv/bin/python benchmarks/throughput.py --quick    # fewer tokens/requests
     .venv/bin/python benchmarks/throughput.py --auto-bfloat16-cast   # bf16 vs transformers bf16
     .venv/bin/python benchmarks/throughput.py --disable lower_cpu_kernels   # without a pass
+    .venv/bin/python benchmarks/throughput.py --kind edf   # AOTInductor-package supertasks
 """
 from __future__ import annotations
 
@@ -112,6 +113,8 @@ def llm_kwargs(args) -> dict:
         kw["auto_bfloat16_cast"] = True
     if args.disable:
         kw["compiler_config_overrides"] = {"passes": {"disable": list(args.disable)}}
+    if args.kind:
+        kw["comp_supertask_kind"] = args.kind
     return kw
 
 
@@ -119,6 +122,8 @@ def child_flags(args) -> list[str]:
     flags = ["--auto-bfloat16-cast"] if args.auto_bfloat16_cast else []
     for name in args.disable or ():
         flags += ["--disable", name]
+    if args.kind:
+        flags += ["--kind", args.kind]
     return flags
 
 
@@ -147,6 +152,7 @@ def main() -> int:
     p.add_argument("--auto-bfloat16-cast", action="store_true",
                    help="fxcompiler with auto_bfloat16_cast=True against transformers in bf16")
     p.add_argument("--disable", action="append", metavar="PASS", help="disable a default pass (repeatable)")
+    p.add_argument("--kind", choices=["fx", "dfg", "edf"], default=None, help="comp_supertask_kind (default: fx)")
     p.add_argument("--no-rss", action="store_true", help="skip the peak-RSS child run")
     p.add_argument("--rss-child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "throughput.json"))
