@@ -33,10 +33,15 @@ def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+@pytest.mark.parametrize("kind", ["fx", "dfg", "edf"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "gpt2"])
-def test_greedy_parity_random_configs_fp64(arch, tiny_models):
+def test_greedy_parity_random_configs_fp64(arch, kind, tiny_models):
+    """Every supertask kind (edf: AOTInductor packages compiled here, no cache) is exact in fp64."""
     path = tiny_models[arch]
-    llm = LLM(str(path), dtype="float64", max_seq_len_to_capture=256, cache_dir=None)
+    kw = {"num_compile_workers": 2} if kind == "edf" else {}
+    llm = LLM(str(path), dtype="float64", max_seq_len_to_capture=256, cache_dir=None, comp_supertask_kind=kind,
+              **kw)
+    assert {t.kind.value for p in llm.pipelines for _, t in p.compute_supertasks()} == {kind}
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
                         prompt_token_ids=PROMPTS)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float64)
