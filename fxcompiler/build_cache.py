@@ -27,7 +27,6 @@ import logging
 import os
 import pickle
 import shutil
-import uuid
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 
 from . import graph_io
-from .compile_cache import load_tensors, save_tensors
+from .compile_cache import load_tensors, save_tensors, write_entry
 from .pipeline import Bucket, DataBlob, Pipeline
 
 log = logging.getLogger("fxcompiler.cache")
@@ -89,9 +88,7 @@ class BuildCache:
             signatures[bid] = graph_io.placeholder_signature(blob.graph)
             if signatures[bid] is None:  # its meta could not be restored later
                 return False
-        self.root.mkdir(parents=True, exist_ok=True)
-        tmp = self.root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
-        try:
+        def write(tmp: Path) -> None:
             (tmp / "graphs").mkdir(parents=True)
             index = {}
             for bid, blob in blobs.items():
@@ -104,12 +101,8 @@ class BuildCache:
                     for p in pipelines]
             with open(tmp / "pipelines.pkl", "wb") as fh:
                 pickle.dump({"schema": BUILD_SCHEMA_VERSION, "pipelines": bare}, fh, protocol=pickle.HIGHEST_PROTOCOL)
-            os.replace(tmp, entry)
-        except OSError as exc:
-            if not entry.exists():
-                log.warning("could not write build cache entry %s: %s", entry, exc)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+        write_entry(entry, write, "build cache")
         return True
 
 

@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -205,15 +206,21 @@ class CompileCache:
         return program
 
     def store(self, key: str, gm: torch.fx.GraphModule, ctx: CompileContext, extra: dict | None = None) -> None:
-        entry = self.path(key)
-        if entry.exists():
-            return
-        tmp = self.root / f".tmp-{key}-{uuid.uuid4().hex[:8]}"
-        try:
-            save_program(tmp, gm, ctx, extra)
-            os.replace(tmp, entry)
-        except OSError as exc:
-            if not entry.exists():
-                log.warning("could not write compile cache entry %s: %s", entry, exc)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+        write_entry(self.path(key), lambda tmp: save_program(tmp, gm, ctx, extra), "compile cache")
+
+
+def write_entry(entry: Path, write: Callable[[Path], None], what: str) -> None:
+    """Write the cache entry directory ``entry`` atomically: ``write(tmp)`` creates and fills a
+    temporary sibling (its parents included), which is then renamed to ``entry``. An existing
+    entry is kept (a concurrent writer got there first); a failed write is logged, never left."""
+    if entry.exists():
+        return
+    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        write(tmp)
+        os.replace(tmp, entry)
+    except OSError as exc:
+        if not entry.exists():
+            log.warning("could not write %s entry %s: %s", what, entry, exc)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
