@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 
+from fxcompiler.ops.sampling import greedy_logprob
 from fxcompiler.sampling_params import SAMPLING_EPS, SamplingParams
 
 __all__ = ["SamplingRow", "SamplerOutput", "Sampler", "apply_penalties_and_warpers"]
@@ -315,13 +316,13 @@ class Sampler:
         """Hot path: argmax plus its log-prob, no copies of the logits."""
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits must be [len(rows), V], got {tuple(logits.shape)} for {len(rows)} rows")
-        x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
-        vals, tokens = x.max(dim=-1)
         if any(r.params.logprobs is not None for r in rows):
+            x = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+            _, tokens = x.max(dim=-1)
             logp = torch.log_softmax(x, dim=-1)
             lps = logp.gather(1, tokens[:, None]).squeeze(1)
             return SamplerOutput(tokens.tolist(), lps.tolist(), _top_logprobs(logp, rows), _ranks(logp, lps, rows))
-        lps = vals - torch.logsumexp(x, dim=-1)
+        tokens, lps = greedy_logprob(logits)  # one kernel over the logits where a backend installs one
         return SamplerOutput(tokens.tolist(), lps.tolist(), None)
 
     @staticmethod

@@ -1,10 +1,11 @@
 """CPU kernels for ``fxc::paged_attention`` (decode-shaped calls), ``fxc::rms_norm``,
-``fxc::silu_mul`` and ``fxc::rope``, built on first use into one extension module.
+``fxc::silu_mul``, ``fxc::rope`` and ``fxc::greedy_logprob``, built on first use into one extension module.
 
 Decode is the hot path: one query token per sequence, called once per layer per
 step. The ATen reference (gather + SDPA) costs ~15 small ops a call; the C++ kernel
 walks the block table in place over the real context. Calls with more query tokens
-(prefill) keep the reference, which batches them as one SDPA.
+(prefill) write the cache in C++ and batch the attention as one SDPA. ``install()``
+registers the kernels in C++ as the ops' CPU implementations, so no Python runs per call.
 """
 from __future__ import annotations
 
@@ -16,17 +17,17 @@ from pathlib import Path
 
 import torch
 
-from fxcompiler.ops.paged_attention import attend_reference, paged_attention_reference
+from fxcompiler.ops.paged_attention import paged_attention_reference
 
 from . import _build
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp")
 _HEADERS = (_CSRC / "simd_math.h",)
-MAX_KERNEL_QUERY_TOKENS = 4  # beyond this, SDPA's blocked kernel wins
+MAX_KERNEL_QUERY_TOKENS = 4  # beyond this, SDPA's blocked kernel wins (kMaxKernelQueryTokens in the C++)
 _lock = threading.Lock()
 _state: dict = {"module": None, "tried": False, "error": None}
-_impl_lib = None
+_installed = False
 
 
 def _load():
@@ -65,33 +66,42 @@ def kernel_module():
 
 def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
                         scale, sliding_window=-1, softcap=0.0):
-    mod = _state["module"]
-    if mod is not None and query.shape[2] <= MAX_KERNEL_QUERY_TOKENS and query.dtype == k_cache.dtype \
-            and key.dtype == k_cache.dtype:
-        return mod.paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
-                                       seq_lens, scale, sliding_window, softcap)
-    if mod is not None and key.dtype == k_cache.dtype:
-        # Prefill: the C++ cache write (ATen's index_copy_ is slow with many rows), then SDPA.
-        mod.write_cache(key, value, k_cache, v_cache, slot_mapping)
-        return attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
-                                softcap)
+    """What a CPU call of ``fxc::paged_attention`` runs: the C++ decode kernel for calls of up to
+    ``MAX_KERNEL_QUERY_TOKENS`` query tokens, else the C++ cache write and SDPA over the gathered context
+    (the ATen reference when the module cannot be built)."""
+    mod = kernel_module()
+    if mod is not None:
+        return mod.paged_attention(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
+                                   seq_lens, scale, sliding_window, softcap)
     return paged_attention_reference(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
                                      seq_lens, scale, sliding_window, softcap)
 
 
+def _aten_sum_lanes(mod) -> int:
+    """The vector width (8 or 16 floats) at which the module's copy of ATen's summation order equals
+    ``Tensor.sum`` in this torch build, or 0 when neither does. The bf16 ``rms_norm`` needs it to be
+    bit-identical to transformers' RMSNorm (which reduces with ATen); the width is not the CPU's
+    (torch 2.13 sums with 8-lane vectors on AVX-512 machines), hence a check, not a guess."""
+    g = torch.Generator().manual_seed(0)
+    rows = [(torch.randn(3, n, generator=g) * 4) ** 2 for n in (16, 100, 576, 1040, 4100)]
+    for lanes in (8, 16):
+        if all(torch.equal(mod.aten_row_sums(x, lanes), x.sum(-1)) for x in rows):
+            return lanes
+    return 0
+
+
 def install() -> bool:
-    """Route CPU calls of ``fxc::paged_attention`` to the kernel; True when the kernel is active."""
-    global _impl_lib
+    """Make the C++ kernels the CPU implementations of ``fxc::paged_attention``, ``rms_norm``, ``silu_mul``,
+    ``rope`` and ``greedy_logprob`` (registered from C++, so calls do not pass through Python); True when
+    the kernels are active."""
+    global _installed
     if kernel_module() is None:
         return False
     with _lock:
-        if _impl_lib is None:
-            import fxcompiler.ops.fused  # noqa: F401  (defines the fused ops before we implement them)
+        if not _installed:
+            import fxcompiler.ops  # noqa: F401  (defines the ops before we implement them)
 
             mod = _state["module"]
-            _impl_lib = torch.library.Library("fxc", "IMPL")
-            _impl_lib.impl("paged_attention", paged_attention_cpu, "CPU")
-            _impl_lib.impl("rms_norm", mod.rms_norm, "CPU")
-            _impl_lib.impl("silu_mul", mod.silu_mul, "CPU")
-            _impl_lib.impl("rope", mod.rope, "CPU")
+            mod.register_cpu_kernels(aten_sum_lanes=_aten_sum_lanes(mod))
+            _installed = True
     return True

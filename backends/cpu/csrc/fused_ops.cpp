@@ -4,7 +4,9 @@
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <limits>
 #include <type_traits>
+#include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #include <sleef.h>  // shipped with torch; libtorch_cpu exports the functions ATen's Vectorized<float> uses
@@ -12,14 +14,18 @@
 
 #include "simd_math.h"
 
+// The float vector width of ATen's sum kernel (8 or 16), found by the loader by comparison with
+// ATen; 0 = unknown: the bf16 rms_norm then lets ATen compute the mean of squares.
+int g_aten_sum_lanes = 0;
+
 namespace {
 
 using fxc::Acc;
 
 // fp32/fp64: sum of squares, rsqrt and both multiplies per row in one pass.
-// bf16/fp16 (mean_sq given): transformers' RMSNorm op for op: the mean of the fp32 squares is
-// ATen's own reduction (its summation order, so the variance is bit-equal), then
-// rsqrt(var + eps) in fp32, x * inv rounded to the input dtype, times the weight, rounded.
+// bf16/fp16 (mean_sq given): transformers' RMSNorm op for op: the mean of the fp32 squares
+// (bit-equal to ATen's), then rsqrt(var + eps) in fp32, x * inv rounded to the input dtype,
+// times the weight, rounded.
 template <typename scalar_t>
 void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, int64_t H, double eps,
               const float* mean_sq) {
@@ -46,18 +52,24 @@ void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, i
   });
 }
 
-void silu_mul_f32(const float* g, const float* u, float* y, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
-    int64_t i = begin;
+// Rows of H elements; gate/up rows may be strided (the halves of a fused gate_up projection).
+void silu_mul_f32(const float* g0, int64_t gs, const float* u0, int64_t us, float* y0, int64_t rows, int64_t H) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(H, 1)), [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r) {
+      const float* g = g0 + r * gs;
+      const float* u = u0 + r * us;
+      float* y = y0 + r * H;
+      int64_t i = 0;
 #ifdef __AVX512F__
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 16 <= end; i += 16) {
-      __m512 a = _mm512_loadu_ps(g + i);
-      __m512 s = _mm512_div_ps(a, _mm512_add_ps(one, fxc::exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
-      _mm512_storeu_ps(y + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
-    }
+      const __m512 one = _mm512_set1_ps(1.0f);
+      for (; i + 16 <= H; i += 16) {
+        __m512 a = _mm512_loadu_ps(g + i);
+        __m512 s = _mm512_div_ps(a, _mm512_add_ps(one, fxc::exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
+        _mm512_storeu_ps(y + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
+      }
 #endif
-    for (; i < end; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+      for (; i < H; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    }
   });
 }
 
@@ -97,18 +109,24 @@ inline __mmask16 tail_mask(int64_t left) {
 // silu(g) * u as ATen computes F.silu(gate) * up on bf16 tensors: silu in fp32 as g / (1 + exp(-g))
 // with Sleef's expf (u10, what Vectorized<float>::exp() calls), rounded to bf16; the product of
 // the two bf16 values in fp32, rounded to bf16.
-void silu_mul_bf16(const c10::BFloat16* g, const c10::BFloat16* u, c10::BFloat16* y, int64_t n) {
-  at::parallel_for(0, n, 1 << 14, [&](int64_t begin, int64_t end) {
+void silu_mul_bf16(const c10::BFloat16* g0, int64_t gs, const c10::BFloat16* u0, int64_t us, c10::BFloat16* y0,
+                   int64_t rows, int64_t H) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(H, 1)), [&](int64_t rb, int64_t re) {
     const __m512 one = _mm512_set1_ps(1.0f);
-    auto step = [&](int64_t i, __mmask16 k) {
-      const __m512 a = bf16_load(g + i, k);
-      const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), a));
-      const __m512 s = bf16_r(_mm512_div_ps(a, _mm512_add_ps(one, e)));
-      bf16_store(y + i, _mm512_mul_ps(s, bf16_load(u + i, k)), k);
-    };
-    int64_t i = begin;
-    for (; i + 16 <= end; i += 16) step(i, static_cast<__mmask16>(0xFFFF));
-    if (i < end) step(i, tail_mask(end - i));
+    for (int64_t r = rb; r < re; ++r) {
+      const c10::BFloat16* g = g0 + r * gs;
+      const c10::BFloat16* u = u0 + r * us;
+      c10::BFloat16* y = y0 + r * H;
+      auto step = [&](int64_t i, __mmask16 k) {
+        const __m512 a = bf16_load(g + i, k);
+        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), a));
+        const __m512 s = bf16_r(_mm512_div_ps(a, _mm512_add_ps(one, e)));
+        bf16_store(y + i, _mm512_mul_ps(s, bf16_load(u + i, k)), k);
+      };
+      int64_t i = 0;
+      for (; i + 16 <= H; i += 16) step(i, static_cast<__mmask16>(0xFFFF));
+      if (i < H) step(i, tail_mask(H - i));
+    }
   });
 }
 
@@ -126,6 +144,143 @@ void rope_row_bf16(const c10::BFloat16* x, const c10::BFloat16* c, const c10::BF
     bf16_store(o + d + h, hi, k);
   }
 }
+
+// The sum of a contiguous fp32 row exactly as ATen's sum kernel computes it (SumKernel.cpp:
+// cascade_sum -> vectorized_inner_sum -> row_sum: L-lane vectors, 4 interleaved accumulators, each
+// a 4-level cascade; then the vector tail, the accumulators in order, the scalar tail and the
+// lanes in order).  L is the float vector width of the ATen build that runs (8 with torch 2.13 on
+// AVX-512 machines: the loader finds it by comparing with ATen, see attention.install()).  Plain
+// lane-wise adds: with -ffp-contract=off and no fast-math the compiler keeps every rounding.
+template <int L>
+float aten_row_sum(const float* x, int64_t n) {
+  constexpr int kLevels = 4, kIlp = 4;
+  const int64_t nvec = n / L, size_ilp = nvec / kIlp;
+  const int64_t clog2 = size_ilp <= 2 ? 1 : 64 - __builtin_clzll(static_cast<uint64_t>(size_ilp - 1));
+  const int64_t level_power = std::max<int64_t>(4, clog2 / kLevels);
+  const int64_t level_step = int64_t(1) << level_power, level_mask = level_step - 1;
+  float acc[kLevels][kIlp][L] = {};
+  auto add_row = [&](float* dst, const float* src) {
+#pragma omp simd
+    for (int l = 0; l < L; ++l) dst[l] += src[l];
+  };
+  int64_t i = 0;
+  while (i + level_step <= size_ilp) {
+    for (int64_t j = 0; j < level_step; ++j, ++i)
+      for (int k = 0; k < kIlp; ++k) add_row(acc[0][k], x + (i * kIlp + k) * L);
+    for (int j = 1; j < kLevels; ++j) {
+      for (int k = 0; k < kIlp; ++k) {
+        add_row(acc[j][k], acc[j - 1][k]);
+        std::fill(acc[j - 1][k], acc[j - 1][k] + L, 0.f);
+      }
+      if ((i & (level_mask << (j * level_power))) != 0) break;
+    }
+  }
+  for (; i < size_ilp; ++i)
+    for (int k = 0; k < kIlp; ++k) add_row(acc[0][k], x + (i * kIlp + k) * L);
+  for (int j = 1; j < kLevels; ++j)
+    for (int k = 0; k < kIlp; ++k) add_row(acc[0][k], acc[j][k]);
+  for (int64_t r = size_ilp * kIlp; r < nvec; ++r) add_row(acc[0][0], x + r * L);
+  for (int k = 1; k < kIlp; ++k) add_row(acc[0][0], acc[0][k]);
+  float total = 0.f;
+  for (int64_t t = nvec * L; t < n; ++t) total += x[t];
+  for (int l = 0; l < L; ++l) total += acc[0][0][l];
+  return total;
+}
+
+float aten_row_sum_lanes(const float* x, int64_t n, int lanes) {
+  switch (lanes) {
+    case 8: return aten_row_sum<8>(x, n);
+    case 16: return aten_row_sum<16>(x, n);
+    default: TORCH_CHECK(false, "aten_row_sum: lanes must be 8 or 16, got ", lanes);
+  }
+}
+
+// bf16 RMSNorm rows as transformers computes them in a bf16 model: var = mean(float(x)^2) with ATen's
+// summation order, inv = 1 / sqrt(var + eps) in fp32, y = bf16(w * bf16(x * inv)).
+void rms_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16* y, int64_t rows, int64_t H,
+                   float eps) {
+  at::parallel_for(0, rows, 8, [&](int64_t begin, int64_t end) {
+    static thread_local std::vector<float> sq;
+    if (static_cast<int64_t>(sq.size()) < H) sq.resize(H);
+    for (int64_t r = begin; r < end; ++r) {
+      const c10::BFloat16* xr = x + r * H;
+      c10::BFloat16* yr = y + r * H;
+      int64_t i = 0;
+      for (; i < H; i += 16) {
+        const __mmask16 k = tail_mask(H - i);
+        const __m512 v = bf16_load(xr + i, k);
+        _mm512_mask_storeu_ps(sq.data() + i, k, _mm512_mul_ps(v, v));
+      }
+      const float var = aten_row_sum_lanes(sq.data(), H, g_aten_sum_lanes) / static_cast<float>(H);
+      const __m512 inv = _mm512_set1_ps(1.0f / std::sqrt(var + eps));
+      for (i = 0; i < H; i += 16) {
+        const __mmask16 k = tail_mask(H - i);
+        const __m512 n = bf16_r(_mm512_mul_ps(bf16_load(xr + i, k), inv));
+        bf16_store(yr + i, _mm512_mul_ps(bf16_load(w + i, k), n), k);
+      }
+    }
+  });
+}
+
+// Greedy pick over fp32 logits rows: the first index of the maximum (NaN counts as the maximum, as in
+// torch.max) and its log-probability max - logsumexp(row) = -log(sum(exp(x - max))).
+void greedy_rows_f32(const float* x, int64_t rows, int64_t V, int64_t* tok, float* lp) {
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * V;
+      __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+      __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      __mmask16 nan = 0;
+      const __m512i step = _mm512_set1_epi32(16);
+      int64_t i = 0;
+      for (; i + 16 <= V; i += 16) {
+        const __m512 v = _mm512_loadu_ps(xr + i);
+        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
+        vmax = _mm512_mask_mov_ps(vmax, gt, v);
+        vidx = _mm512_mask_mov_epi32(vidx, gt, cur);
+        cur = _mm512_add_epi32(cur, step);
+      }
+      alignas(64) float mv[16];
+      alignas(64) int32_t mi[16];
+      _mm512_store_ps(mv, vmax);
+      _mm512_store_si512(mi, vidx);
+      float best = -std::numeric_limits<float>::infinity();
+      int64_t arg = -1;
+      if (i > 0)
+        for (int l = 0; l < 16; ++l)
+          if (arg < 0 || mv[l] > best || (mv[l] == best && mi[l] < arg)) {
+            best = mv[l];
+            arg = mi[l];
+          }
+      for (int64_t t = i; t < V; ++t) {
+        if (std::isnan(xr[t])) nan = 1;
+        if (arg < 0 || xr[t] > best) {
+          best = xr[t];
+          arg = t;
+        }
+      }
+      if (nan) {
+        for (int64_t t = 0; t < V; ++t)
+          if (std::isnan(xr[t])) { arg = t; break; }
+        tok[r] = arg;
+        lp[r] = std::numeric_limits<float>::quiet_NaN();
+        continue;
+      }
+      tok[r] = arg;
+      if (best == -std::numeric_limits<float>::infinity() || best == std::numeric_limits<float>::infinity()) {
+        lp[r] = std::numeric_limits<float>::quiet_NaN();  // as max - logsumexp: -inf - (-inf), inf - inf
+        continue;
+      }
+      const __m512 vm = _mm512_set1_ps(best);
+      __m512 vs = _mm512_setzero_ps();
+      for (i = 0; i + 16 <= V; i += 16) vs = _mm512_add_ps(vs, fxc::exp512(_mm512_sub_ps(_mm512_loadu_ps(xr + i), vm)));
+      double s = _mm512_reduce_add_ps(vs);
+      for (; i < V; ++i) s += std::exp(static_cast<double>(xr[i]) - best);
+      lp[r] = static_cast<float>(-std::log(s));
+    }
+  });
+}
 #endif
 
 }  // namespace
@@ -136,6 +291,16 @@ torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps
   auto wc = weight.to(x.scalar_type()).contiguous();
   auto y = torch::empty_like(xc);
   const int64_t H = x.size(-1), rows = H ? xc.numel() / H : 0;
+#ifdef __AVX512F__
+  // ATen sums a row in the order reproduced here when the row is not split between threads
+  // (numel below its grain size, or at least one row per thread) and holds a whole vector.
+  if (x.scalar_type() == at::kBFloat16 && g_aten_sum_lanes && H >= g_aten_sum_lanes &&
+      (rows * H < 32768 || rows >= at::get_num_threads())) {
+    rms_rows_bf16(xc.data_ptr<c10::BFloat16>(), wc.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), rows, H,
+                  static_cast<float>(eps));
+    return y;
+  }
+#endif
   torch::Tensor mean_sq;  // reduced precision: [rows] fp32 mean of squares, reduced by ATen
   if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf)
     mean_sq = xc.view({rows, H}).to(at::kFloat).square().mean(-1).contiguous();
@@ -146,21 +311,33 @@ torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps
   return y;
 }
 
+// [R, H] views of gate/up with unit stride along H (no copy for the halves of a fused projection).
+static torch::Tensor rows_view(const torch::Tensor& t) {
+  const int64_t H = t.dim() ? t.size(-1) : 1;
+  auto r = t.reshape({-1, H});
+  return r.stride(1) == 1 ? r : r.contiguous();
+}
+
 torch::Tensor fxc_silu_mul_cpu(torch::Tensor gate, torch::Tensor up) {
   TORCH_CHECK(gate.sizes() == up.sizes(), "fxc::silu_mul: gate and up must have the same shape");
+  const bool bf16 = gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16;
+  const bool f32 = gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat;
+#ifndef __AVX512F__
+  if (bf16) return torch::silu(gate) * up;
+#endif
+  if (!bf16 && !f32) return torch::silu(gate) * up;
+  if (gate.numel() == 0) return torch::empty(gate.sizes(), gate.options());
+  auto g = rows_view(gate), u = rows_view(up);
+  const int64_t R = g.size(0), H = g.size(1);
+  auto y = torch::empty(gate.sizes(), gate.options());
 #ifdef __AVX512F__
-  if (gate.scalar_type() == at::kBFloat16 && up.scalar_type() == at::kBFloat16) {
-    auto g = gate.contiguous(), u = up.contiguous();
-    auto y = torch::empty_like(g);
-    silu_mul_bf16(g.data_ptr<c10::BFloat16>(), u.data_ptr<c10::BFloat16>(), y.data_ptr<c10::BFloat16>(), g.numel());
+  if (bf16) {
+    silu_mul_bf16(g.data_ptr<c10::BFloat16>(), g.stride(0), u.data_ptr<c10::BFloat16>(), u.stride(0),
+                  y.data_ptr<c10::BFloat16>(), R, H);
     return y;
   }
 #endif
-  if (gate.scalar_type() != at::kFloat || up.scalar_type() != at::kFloat)
-    return torch::silu(gate) * up;
-  auto g = gate.contiguous(), u = up.contiguous();
-  auto y = torch::empty_like(g);
-  silu_mul_f32(g.data_ptr<float>(), u.data_ptr<float>(), y.data_ptr<float>(), g.numel());
+  silu_mul_f32(g.data_ptr<float>(), g.stride(0), u.data_ptr<float>(), u.stride(0), y.data_ptr<float>(), R, H);
   return y;
 }
 
@@ -221,5 +398,33 @@ torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
       }
     }
   });
+  return out;
+}
+
+// fxc::greedy_logprob: (argmax, log-probability of it) per row of [B, V] logits.
+std::tuple<torch::Tensor, torch::Tensor> fxc_greedy_logprob_cpu(torch::Tensor logits) {
+  TORCH_CHECK(logits.dim() == 2, "fxc::greedy_logprob: logits must be [B, V], got ", logits.sizes());
+#ifdef __AVX512F__
+  if (logits.scalar_type() == at::kFloat && logits.size(1) > 0) {
+    auto x = logits.contiguous();
+    const int64_t B = x.size(0), V = x.size(1);
+    auto tok = torch::empty({B}, x.options().dtype(at::kLong));
+    auto lp = torch::empty({B}, x.options());
+    greedy_rows_f32(x.data_ptr<float>(), B, V, tok.data_ptr<int64_t>(), lp.data_ptr<float>());
+    return {tok, lp};
+  }
+#endif
+  auto x = logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble ? logits : logits.to(at::kFloat);
+  auto [vals, idx] = x.max(-1);
+  return {idx, vals - x.logsumexp(-1)};
+}
+
+// For the loader's check: each row of a contiguous fp32 [R, n] tensor summed in ATen's order at a given width.
+torch::Tensor fxc_aten_row_sums(torch::Tensor x, int64_t lanes) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "aten_row_sums: x must be a 2-D float tensor");
+  auto xc = x.contiguous();
+  auto out = torch::empty({xc.size(0)}, xc.options());
+  for (int64_t r = 0; r < xc.size(0); ++r)
+    out[r] = aten_row_sum_lanes(xc.data_ptr<float>() + r * xc.size(1), xc.size(1), static_cast<int>(lanes));
   return out;
 }

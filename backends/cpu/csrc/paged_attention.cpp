@@ -18,6 +18,8 @@
 #endif
 #include <cmath>
 #include <limits>
+#include <memory>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -436,22 +438,100 @@ void write_cache_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cac
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "fxc write_cache: caches must be contiguous");
   TORCH_CHECK(key.scalar_type() == k_cache.scalar_type(), "fxc write_cache: key/cache dtypes must match");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "fxc_write_cache", [&] {
-    write_cache<scalar_t>(key, value, k_cache, v_cache, slot_mapping);
+    write_cache<scalar_t>(key, value, k_cache, v_cache, slot_mapping.contiguous());
   });
 }
+
+// Attention of query [B, Hq, S, D] over the cached context named by the block table, with ATen ops:
+// gather the blocks, mask (causal by query position, padding by seq_lens, sliding window) and one
+// SDPA (grouped matmuls with a softcap).  fxcompiler/ops/paged_attention.py attend_reference, in C++.
+torch::Tensor attend_aten(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                          const torch::Tensor& block_table, const torch::Tensor& query_pos,
+                          const torch::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+  const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
+  const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), MB = block_table.size(1), L = MB * bs;
+  const auto flat = block_table.reshape({-1});
+  auto k_ctx = k_cache.index_select(0, flat).view({B, L, Hkv, D}).transpose(1, 2);
+  auto v_ctx = v_cache.index_select(0, flat).view({B, L, Hkv, D}).transpose(1, 2);
+  if (k_ctx.scalar_type() != query.scalar_type()) {
+    k_ctx = k_ctx.to(query.scalar_type());
+    v_ctx = v_ctx.to(query.scalar_type());
+  }
+  const auto j = torch::arange(L, query_pos.options()).view({1, 1, L});
+  const auto qp = query_pos.unsqueeze(-1);
+  auto allowed = j.le(qp).logical_and(j.lt(seq_lens.view({B, 1, 1})));
+  if (window > 0) allowed = allowed.logical_and(j.gt(qp - window));
+  if (softcap > 0.0) {
+    const int64_t G = Hq / Hkv;
+    auto scores = at::matmul(query.reshape({B, Hkv, G * S, D}), k_ctx.transpose(-1, -2)) * scale;
+    scores = at::tanh(scores / softcap) * softcap;
+    const auto mask = allowed.repeat({1, G, 1}).unsqueeze(1);  // rows are g-major like q
+    scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
+    const auto out = at::matmul(at::softmax(scores, -1), v_ctx);
+    return out.view({B, Hq, S, D}).transpose(1, 2).contiguous();
+  }
+  const auto out = at::scaled_dot_product_attention(query, k_ctx, v_ctx, allowed.unsqueeze(1), 0.0, false, scale,
+                                                    Hq != Hkv);
+  return out.transpose(1, 2).contiguous();
+}
+
+constexpr int64_t kMaxKernelQueryTokens = 4;  // beyond this, SDPA's blocked kernel wins
+
+// The CPU implementation of fxc::paged_attention: the decode kernel for calls of up to 4 query tokens
+// (query, key and cache of one dtype); otherwise the cache write in C++ (ATen's index_copy_ is slow
+// with many rows) and SDPA over the gathered context.
+torch::Tensor paged_attention_op(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+                                 torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
+                                 torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                                 double softcap) {
+  if (query.size(2) <= kMaxKernelQueryTokens && query.scalar_type() == k_cache.scalar_type() &&
+      key.scalar_type() == k_cache.scalar_type())
+    return paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping.contiguous(),
+                               query_pos.contiguous(), seq_lens.contiguous(), scale, sliding_window, softcap);
+  const auto dt = k_cache.scalar_type();
+  write_cache_cpu(key.scalar_type() == dt ? key : key.to(dt), value.scalar_type() == dt ? value : value.to(dt),
+                  k_cache, v_cache, slot_mapping);
+  return attend_aten(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap);
+}
+
+std::unique_ptr<torch::Library> g_cpu_impls;  // lives as long as the process: the registrations stay
 
 }  // namespace
 
 torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);  // fused_ops.cpp
 torch::Tensor fxc_silu_mul_cpu(torch::Tensor gate, torch::Tensor up);                // fused_ops.cpp
 torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);    // fused_ops.cpp
+std::tuple<torch::Tensor, torch::Tensor> fxc_greedy_logprob_cpu(torch::Tensor logits);  // fused_ops.cpp
+torch::Tensor fxc_aten_row_sums(torch::Tensor x, int64_t lanes);                        // fused_ops.cpp
+extern int g_aten_sum_lanes;                                                            // fused_ops.cpp
+
+// Registers the kernels as the CPU implementations of the fxc ops (in C++, so a call goes
+// dispatcher -> kernel with no Python in between).  Called once by backends/cpu/attention.install();
+// not at load time, so that a second copy of this module (benchmarks/attention.py --compare-src)
+// can be loaded without registering twice.
+void register_cpu_kernels(int64_t aten_sum_lanes) {
+  g_aten_sum_lanes = static_cast<int>(aten_sum_lanes);
+  if (g_cpu_impls) return;
+  g_cpu_impls = std::make_unique<torch::Library>(torch::Library::IMPL, "fxc", c10::DispatchKey::CPU, __FILE__,
+                                                 __LINE__);
+  g_cpu_impls->impl("paged_attention", TORCH_FN(paged_attention_op));
+  g_cpu_impls->impl("rms_norm", TORCH_FN(fxc_rms_norm_cpu));
+  g_cpu_impls->impl("silu_mul", TORCH_FN(fxc_silu_mul_cpu));
+  g_cpu_impls->impl("rope", TORCH_FN(fxc_rope_cpu));
+  g_cpu_impls->impl("greedy_logprob", TORCH_FN(fxc_greedy_logprob_cpu));
+}
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_cpu", &paged_attention_cpu, "fxc::paged_attention CPU kernel (decode-shaped calls)");
+  m.def("paged_attention", &paged_attention_op, "fxc::paged_attention on CPU: decode kernel or cache write + SDPA");
   m.def("_set_prefetch", [](int mode, int dist) { g_prefetch = mode; g_prefetch_dist = dist; },
         "software prefetch of the KV blocks: mode (0 none, 1 T0, 2 T1, 3 NTA), distance in blocks (measurements)");
   m.def("write_cache", &write_cache_cpu, "write K/V rows [B, Hkv, S, D] into cache slots [B, S]");
   m.def("rms_norm", &fxc_rms_norm_cpu, "fxc::rms_norm CPU kernel");
   m.def("silu_mul", &fxc_silu_mul_cpu, "fxc::silu_mul CPU kernel");
   m.def("rope", &fxc_rope_cpu, "fxc::rope CPU kernel");
+  m.def("greedy_logprob", &fxc_greedy_logprob_cpu, "fxc::greedy_logprob CPU kernel");
+  m.def("aten_row_sums", &fxc_aten_row_sums, "row sums of a float [R, n] tensor in ATen's order at a vector width");
+  m.def("register_cpu_kernels", &register_cpu_kernels, py::arg("aten_sum_lanes"),
+        "register the kernels as the CPU implementations of the fxc ops (once per process)");
 }

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not attention.install(), reason="no C++ compiler
 
 
 @settings(max_examples=40, deadline=None)
-@given(batch=st.integers(1, 3), tokens=st.integers(1, 70), hidden=st.sampled_from([7, 64, 576, 960]),
+@given(batch=st.integers(1, 3), tokens=st.integers(1, 70), hidden=st.sampled_from([7, 16, 64, 100, 576, 960, 1040, 4100]),
        eps=st.sampled_from([1e-5, 1e-6]), seed=st.integers(0, 2**16))
 def test_rms_norm_bf16_is_bit_identical_to_transformers(batch, tokens, hidden, eps, seed):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
@@ -75,3 +75,20 @@ def test_rope_bf16_is_bit_identical_to_reference(b, h, s, d, contiguous, seed):
     sin = (torch.randn(b, 1, s, d, generator=g) * 1e-2).to(torch.bfloat16)
     got = torch.ops.fxc.rope(x, cos, sin)
     assert got.dtype == torch.bfloat16 and torch.equal(got, rope_reference(x, cos, sin))
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(1, 3), s=st.integers(1, 9), h=st.sampled_from([1, 15, 64, 1536]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_silu_mul_reads_the_halves_of_a_fused_projection_in_place(b, s, h, dtype, seed):
+    """gate/up as split halves of one [.., 2h] tensor (row stride 2h): same result as on copies."""
+    g = torch.Generator().manual_seed(seed)
+    fused = (torch.randn(b, s, 2 * h, generator=g) * 3).to(dtype)
+    gate, up = fused.split([h, h], dim=-1)
+    expected = torch.nn.functional.silu(gate.contiguous()) * up.contiguous()
+    got = torch.ops.fxc.silu_mul(gate, up)
+    assert got.shape == gate.shape and got.is_contiguous()
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, expected)
+    else:
+        torch.testing.assert_close(got, expected, rtol=2e-6, atol=1e-6)
