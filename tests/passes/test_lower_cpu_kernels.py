@@ -196,11 +196,15 @@ def test_tuner_decides_per_shape_and_records_it():
     assert r.info["lowered"] == 4 * CFG.layers and r.info["kept"] == 1 and r.info["isa"] == "avx512"
 
 
-@pytest.mark.parametrize("m1, m64, lowered", [(1.5, 0.8, True), (0.9, 1.3, False), (1.02, 1.0, True)])
-def test_decode_dominates_the_decision(m1, m64, lowered):
+@pytest.mark.parametrize("m1, m64, decode_weight, lowered", [
+    (1.5, 0.8, None, True), (0.9, 1.3, None, True), (0.93, 1.15, None, True), (0.8, 1.1, None, False),
+    (1.02, 1.0, None, True), (0.9, 1.3, 0.75, False), (1.5, 0.8, 0.25, False)])
+def test_decision_weighs_batch1_and_batched_speedups(m1, m64, decode_weight, lowered):
+    """Geometric mean of the speedups at M = 1 and M = 64, equal weights unless decode_weight says otherwise."""
     program = testing.capture_tiny_model(CFG, dtype=torch.float32)
     tuner = FakeTuner(lambda k, n, dt, m: m1 if m == 1 else m64)
-    _, _, (*_, r) = _run(program, *_before(), get_pass("lower_cpu_kernels", tuner=tuner))
+    options = {"tuner": tuner} if decode_weight is None else {"tuner": tuner, "decode_weight": decode_weight}
+    _, _, (*_, r) = _run(program, *_before(), get_pass("lower_cpu_kernels", **options))
     assert (r.info["lowered"] > 0) is lowered
 
 

@@ -279,7 +279,8 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
   const int64_t MB = block_table.size(1);
   const Geo<scalar_t> geo{k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), bs, Hkv, Hq / Hkv, D,
                           bs * Hkv * D, Hkv * D, softcap};
-  auto qa = query.accessor<scalar_t, 4>();
+  const scalar_t* qbase = query.data_ptr<scalar_t>();
+  const auto qst = query.strides();
   auto qp = query_pos.accessor<int64_t, 2>();
   auto sl = seq_lens.accessor<int64_t, 1>();
   const int64_t* bt = block_table.data_ptr<int64_t>();  // contiguous [B, MB]
@@ -349,8 +350,16 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
         const Piece& p = pieces[pi];
         const int64_t b = p.row / S, s = p.row % S;
         const int64_t* row_blocks = bt + b * MB;
-        for (int64_t hq = 0; hq < Hq; ++hq)
-          for (int64_t d = 0; d < D; ++d) q[hq * D + d] = static_cast<acc_t>(qa[b][hq][s][d]) * sc;
+        for (int64_t hq = 0; hq < Hq; ++hq) {
+          const scalar_t* qh = qbase + b * qst[0] + hq * qst[1] + s * qst[2];
+          acc_t* qd = q + hq * D;
+          if (qst[3] == 1) {
+#pragma omp simd
+            for (int64_t d = 0; d < D; ++d) qd[d] = static_cast<acc_t>(qh[d]) * sc;
+          } else {
+            for (int64_t d = 0; d < D; ++d) qd[d] = static_cast<acc_t>(qh[d * qst[3]]) * sc;
+          }
+        }
         acc_t* pacc = p.slot >= 0 ? part_acc.data() + p.slot * Hq * D : acc;
         acc_t* pm = p.slot >= 0 ? part_ml.data() + p.slot * Hq * 2 : ml;
         bool done = false;
@@ -378,6 +387,7 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
           scalar_t* dst = o + p.row * Hq * D;
           for (int64_t hq = 0; hq < Hq; ++hq) {
             const acc_t inv = acc_t(1) / pm[Hq + hq];
+#pragma omp simd
             for (int64_t d = 0; d < D; ++d) dst[hq * D + d] = static_cast<scalar_t>(pacc[hq * D + d] * inv);
           }
         }
