@@ -257,6 +257,7 @@ FXC_INLINE void run_ukernel(const float* x, int64_t ldx, const typename W::T* w,
 // --------------------------------------------------------------------------
 struct Problem {
   const float* x = nullptr;  // fp32 [M, ldx]
+  const uint16_t* xb = nullptr;  // AMX path with bf16 x: the bf16 bits [M, K] (x is then null)
   int64_t ldx = 0;
   int64_t M = 0;
   int64_t K = 0;       // logical K
@@ -403,6 +404,21 @@ FXC_INLINE void dispatch_mr(int mr, F&& f) {
 // fp32 by TDPBF16PS.  Weights: the bf16 packed layout is already the VNNI layout a
 // B tile wants (16 k-pairs x 16 columns x 2, row stride 128 bytes); int8 weights
 // are converted exactly to bf16 per panel (|q| <= 127 is exact in bf16).
+//
+// Structure (weights are read from memory exactly once per call):
+//   * the 2 threads split the panels (N), never M, so each weight byte is read by
+//     one thread; each thread walks its panels in S interleaved sub-ranges
+//     (several sequential streams for the hardware prefetcher) and software-
+//     prefetches the next panel (L2) spread over the work on the current one;
+//   * per panel, all M rows are computed while the panel sits in L1/L2: C tiles
+//     0..3 = 2 row blocks of 16 x 2 column halves, A tiles 4/5, B tiles 6/7;
+//     the K loop is blocked (kblk chunks of 32 k) so that the activation tiles of
+//     one K block stay in L1 across the row blocks, C partial sums go through a
+//     per-thread fp32 buffer [rows, 32] between K blocks;
+//   * the epilogue converts/stores that buffer row by row with AVX-512 (bias,
+//     per-channel scale, bf16 rounding, masked N tail).
+// Activations are packed once per call (in parallel for large M) into
+// thread_local buffers: bf16 [Mpad/16][chunks][16 rows][32 k], zero padded.
 // --------------------------------------------------------------------------
 #if defined(FXC_AMX)
 bool amx_usable() {
@@ -432,126 +448,54 @@ struct alignas(64) TileConfig {
 
 constexpr int64_t kAmxMinM = 8;  // below: the FMA kernels (bandwidth bound anyway)
 
-// Tiles: 0..3 C (2 row blocks x 2 column halves), 4/5 A (row blocks), 6/7 B (column halves).
-// xh/xl: bf16 activations blocked as [Mpad/16][chunks][16 rows][32 k] (zero padded), xl may be null.
-void run_amx(const Problem& pb, bool int8_w, const uint16_t* xh, const uint16_t* xl, int64_t Mpad) {
-  const int64_t Q = (int8_w ? pb.K + 1 : pb.Kp) / 2;  // k pairs
-  const int64_t chunks = (Q + 15) / 16;                 // 32 k per chunk
-  const int64_t mpairs = (Mpad / 16 + 1) / 2;
-  const bool grouped = pb.grp_scale != nullptr;
-  const int64_t chunks_per_group = grouped ? pb.group / 32 : chunks;
-  const int64_t ntasks = pb.P * mpairs;
-  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);
-    // Panel in B layout, used when the packed panel cannot be read in place
-    // (int8 weights, or a K tail that is not a whole chunk).
-    std::vector<uint16_t> bbuf;
-    int64_t b_panel = -1;
-    alignas(64) float cbuf[32 * NB];
-    std::vector<float> gacc;  // per-group scaled sums [32, 32]
-    if (grouped) gacc.resize(32 * NB);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t p = t / mpairs;
-      const int64_t m0 = (t % mpairs) * 32;
-      const bool two = m0 + 16 < Mpad;
-      const uint16_t* wb;
-      if (!int8_w && Q % 16 == 0) {
-        wb = static_cast<const uint16_t*>(pb.w) + p * Q * 2 * NB;
-      } else {
-        if (b_panel != p) {
-          bbuf.assign(static_cast<size_t>(chunks) * 16 * 2 * NB, 0);
-          if (int8_w) {
-            // lane j of pair q = (bf16(w[2q+1][j]) << 16) | bf16(w[2q][j]); exact for int8 values
-            const int8_t* w8 = static_cast<const int8_t*>(pb.w) + p * pb.K * NB;
-            const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-            for (int64_t q = 0; q < Q; ++q) {
-              for (int j = 0; j < NB; j += 16) {
-                const __m512i ev = _mm512_castps_si512(_mm512_cvtepi32_ps(
-                    _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w8 + 2 * q * NB + j)))));
-                __m512i od = _mm512_setzero_si512();
-                if (2 * q + 1 < pb.K)
-                  od = _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(w8 + (2 * q + 1) * NB + j)))));
-                const __m512i pair = _mm512_or_si512(_mm512_and_si512(od, hi_mask), _mm512_srli_epi32(ev, 16));
-                _mm512_storeu_si512(reinterpret_cast<void*>(bbuf.data() + q * 2 * NB + 2 * j), pair);
-              }
-            }
-          } else {
-            std::memcpy(bbuf.data(), static_cast<const uint16_t*>(pb.w) + p * Q * 2 * NB, sizeof(uint16_t) * Q * 2 * NB);
-          }
-          b_panel = p;
-        }
-        wb = bbuf.data();
-      }
-      if (grouped) std::fill(gacc.begin(), gacc.end(), 0.f);
-      for (int64_t g0 = 0; g0 < chunks; g0 += chunks_per_group) {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const int64_t g1 = std::min(chunks, g0 + chunks_per_group);
-        for (int64_t c = g0; c < g1; ++c) {
-          const uint16_t* bsrc = wb + c * 16 * 2 * NB;
-          // weights stream from memory: prefetch 2 chunks (4 KB) ahead, into the next panel
-          for (int off = 0; off < 2048; off += 64) prefetch(reinterpret_cast<const char*>(bsrc) + 4096 + off);
-          _tile_loadd(6, bsrc, 2 * NB * 2);
-          _tile_loadd(7, bsrc + 32, 2 * NB * 2);
-          const int64_t ao = ((m0 / 16) * chunks + c) * 512;  // A tiles: contiguous 16 x 32 blocks
-          _tile_loadd(4, xh + ao, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (two) {
-            _tile_loadd(5, xh + ao + chunks * 512, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-          }
-          if (xl) {
-            _tile_loadd(4, xl + ao, 64);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, xl + ao + chunks * 512, 64);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
-        }
-        _tile_stored(0, cbuf, NB * 4);
-        _tile_stored(1, cbuf + 16, NB * 4);
-        if (two) {
-          _tile_stored(2, cbuf + 16 * NB, NB * 4);
-          _tile_stored(3, cbuf + 16 * NB + 16, NB * 4);
-        }
-        if (grouped) {
-          const float* sc = pb.grp_scale + (p * pb.ngroups + g0 / chunks_per_group) * NB;
-          const int rows = two ? 32 : 16;
-          for (int r = 0; r < rows; ++r)
-#pragma GCC unroll 4
-            for (int j = 0; j < NV; ++j) {
-              float* ga = gacc.data() + r * NB + j * Vec::L;
-              Vec::store(ga, Vec::fmadd(Vec::load(cbuf + r * NB + j * Vec::L), Vec::load(sc + j * Vec::L), Vec::load(ga)));
-            }
-        }
-      }
-      const float* res = grouped ? gacc.data() : cbuf;
-      const int64_t mend = std::min<int64_t>(pb.M, m0 + (two ? 32 : 16));
-      alignas(64) float tmp[NB];
-      for (int64_t m = m0; m < mend; ++m) {
-        std::memcpy(tmp, res + (m - m0) * NB, sizeof(tmp));
-        store_row(pb, p, m, tmp);
-      }
-    }
-    _tile_release();
-  });
+// Tuning constants (FXC_TUNE builds read them from the environment).
+#ifdef FXC_TUNE
+static int64_t env_i64(const char* name, int64_t dflt) {
+  const char* e = std::getenv(name);
+  return e ? std::atol(e) : dflt;
 }
+static int64_t g_amx_streams = env_i64("FXC_AMX_STREAMS", 4);     // interleaved panel sub-ranges per thread
+static int64_t g_amx_pf_ahead = env_i64("FXC_AMX_PF_AHEAD", 1);   // prefetch the panel this many ahead (0: off)
+static int64_t g_amx_pf_hint = env_i64("FXC_AMX_PF_HINT", 1);     // 0=T0 1=T1 2=T2 3=NTA
+static int64_t g_amx_kbytes = env_i64("FXC_AMX_KBYTES", 40960);   // B (weight) bytes per K block
+#define FXC_AMX_STREAMS g_amx_streams
+#define FXC_AMX_PF_AHEAD g_amx_pf_ahead
+#define FXC_AMX_KBYTES g_amx_kbytes
 
-// Returns false when AMX is not used for this problem.
-// fp32 -> bf16 bits, round to nearest even (NaN stays NaN), 16 at a time.
+FXC_INLINE void amx_prefetch(const void* p) {
+  switch (g_amx_pf_hint) {
+    case 0: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); break;
+    case 1: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); break;
+    case 2: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T2); break;
+    default: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); break;
+  }
+}
+#else
+#define FXC_AMX_STREAMS 4
+#define FXC_AMX_PF_AHEAD 1
+#define FXC_AMX_KBYTES 40960
+FXC_INLINE void amx_prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
+#endif
+
+// Grow-only 64-byte aligned scratch (one per thread and use: no per-call allocation).
+struct ScratchBuf {
+  void* p = nullptr;
+  size_t cap = 0;
+  ~ScratchBuf() { std::free(p); }
+  template <class T>
+  T* get(size_t count) {
+    const size_t bytes = count * sizeof(T);
+    if (bytes > cap) {
+      std::free(p);
+      cap = (bytes + 4095) & ~size_t(4095);
+      p = std::aligned_alloc(64, cap);
+      TORCH_CHECK(p != nullptr, "fxc: out of memory (", cap, " bytes of scratch)");
+    }
+    return static_cast<T*>(p);
+  }
+};
+
+// fp32 -> bf16 bits, round to nearest even (NaN -> 0x7FC0, as c10::BFloat16), 16 at a time.
 FXC_INLINE __m256i bf16_rne(__m512 v) {
   const __m512i b = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
@@ -560,36 +504,337 @@ FXC_INLINE __m256i bf16_rne(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
-bool try_amx(const Problem& pb, bool int8_w, bool x_is_bf16) {
-  if (pb.M < kAmxMinM || !amx_usable()) return false;
-  if (pb.grp_scale && pb.group % 32 != 0) return false;
-  const int64_t K = pb.K;
-  const int64_t chunks = (K + 31) / 32;
-  const int64_t Mpad = (pb.M + 15) / 16 * 16;
-  std::vector<uint16_t> xh(static_cast<size_t>(Mpad) * chunks * 32, 0), xl;
-  if (!x_is_bf16) xl.assign(xh.size(), 0);
-  // x ~= hi + lo with hi = bf16(x), lo = bf16(x - hi); for bf16 x, hi is exact and lo = 0.
-  for (int64_t m = 0; m < pb.M; ++m) {
-    const float* src = pb.x + m * pb.ldx;
-    const int64_t row = (m / 16) * chunks * 512 + (m % 16) * 32;  // + c * 512 + (k % 32)
-    for (int64_t k = 0; k < K; k += 16) {
-      const int nk = static_cast<int>(std::min<int64_t>(16, K - k));
-      const __mmask16 mk = static_cast<__mmask16>((1u << nk) - 1);
-      const __m512 v = _mm512_maskz_loadu_ps(mk, src + k);
-      const __m256i hi = bf16_rne(v);
+struct AmxPlan {
+  int64_t Q = 0;        // k pairs (incl. a zero odd k when K is odd)
+  int64_t chunks = 0;   // 32-k chunks = A/B tile steps
+  int64_t cfull = 0;    // chunks readable in place from a bf16 panel (the rest: tail buffer)
+  int64_t kblk = 0;     // chunks per K block
+  int64_t Mpad = 0;     // rows rounded up to 16
+  int64_t pstride = 0;  // panel stride in weight elements
+  bool int8_w = false;
+  bool lo = false;      // fp32 x: second (lo) pass
+  bool grouped = false;
+  int64_t cpg = 0;      // chunks per scale group
+  const uint16_t* xh = nullptr;
+  const uint16_t* xl = nullptr;
+};
+
+// Rows [m0, m1) of the A buffers (m1 <= Mpad); rows >= M and k >= K are zero.
+void amx_pack_rows(const Problem& pb, const AmxPlan& pl, uint16_t* xh, uint16_t* xl, int64_t m0, int64_t m1) {
+  const int64_t K = pb.K, kp = pl.chunks * 32;
+  for (int64_t m = m0; m < m1; ++m) {
+    const int64_t row = (m / 16) * pl.chunks * 512 + (m % 16) * 32;  // + c * 512 + (k % 32)
+    const bool real = m < pb.M;
+    for (int64_t k = 0; k < kp; k += 16) {
       const int64_t o = row + (k / 32) * 512 + (k % 32);
-      _mm256_mask_storeu_epi16(xh.data() + o, mk, hi);
-      if (!x_is_bf16) {
-        const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-        _mm256_mask_storeu_epi16(xl.data() + o, mk, bf16_rne(_mm512_sub_ps(v, hf)));
+      const int nk = real ? static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(16, K - k))) : 0;
+      const __mmask16 mk = static_cast<__mmask16>((1u << nk) - 1);
+      if (pb.xb) {  // bf16 x: copy, exact
+        const __m256i h = _mm256_maskz_loadu_epi16(mk, pb.xb + m * K + k);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(xh + o), h);
+      } else {
+        const __m512 v = _mm512_maskz_loadu_ps(mk, pb.x + m * pb.ldx + k);
+        const __m256i hi = bf16_rne(v);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(xh + o), hi);
+        if (xl) {
+          const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(xl + o), bf16_rne(_mm512_sub_ps(v, hf)));
+        }
       }
     }
   }
-  run_amx(pb, int8_w, xh.data(), xl.empty() ? nullptr : xl.data(), Mpad);
-  return true;
+}
+
+// int8 panel -> bf16 B layout [chunks][16 pairs][32][2] (zero padded); lane j of pair q =
+// (bf16(w[2q+1][j]) << 16) | bf16(w[2q][j]), exact for |w| <= 127.
+void amx_convert_i8_panel(const Problem& pb, const AmxPlan& pl, int64_t p, uint16_t* dst) {
+  const int8_t* w8 = static_cast<const int8_t*>(pb.w) + p * pb.K * NB;
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const int64_t qfull = pb.K / 2;
+  int64_t q = 0;
+  for (; q < qfull; ++q) {
+#pragma GCC unroll 2
+    for (int j = 0; j < NB; j += 16) {
+      const __m512 ev = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w8 + 2 * q * NB + j))));
+      const __m512 od = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w8 + (2 * q + 1) * NB + j))));
+      // (od & 0xFFFF0000) | (ev >> 16)
+      const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(od), hi_mask,
+                                                     _mm512_srli_epi32(_mm512_castps_si512(ev), 16), 0xEA);
+      _mm512_store_si512(reinterpret_cast<void*>(dst + q * 2 * NB + 2 * j), pair);
+    }
+  }
+  if (q < pl.Q) {  // odd K: the last pair has no odd k
+    for (int j = 0; j < NB; j += 16) {
+      const __m512 ev = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w8 + 2 * q * NB + j))));
+      _mm512_store_si512(reinterpret_cast<void*>(dst + q * 2 * NB + 2 * j), _mm512_srli_epi32(_mm512_castps_si512(ev), 16));
+    }
+    ++q;
+  }
+  std::memset(dst + q * 2 * NB, 0, sizeof(uint16_t) * (pl.chunks * 16 - q) * 2 * NB);
+}
+
+// Spreads the prefetch of one panel over the steps of the current one.
+struct PanelPrefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int per_step = 0;
+  FXC_INLINE void step() {
+    for (int i = 0; i < per_step && p < end; ++i, p += 64) amx_prefetch(p);
+  }
+};
+
+// Chunks [c0, c1) for the row blocks at ah (and ah + arow when TWO) into C tiles 0..3.  The operand
+// that is used once per panel is loaded with TILELOADDT1 (streaming hint) so that the reused one stays
+// in L1: with several row pairs that is A (B is reused by every row pair), with one row pair B (A is
+// reused by every panel).  Measured (1 core, M=256, K=576): ~11.7 ns per TDPBF16PS with plain loads,
+// ~9 with A streamed; the TDPBF16PS throughput itself is ~7.2 ns.
+template <bool LO, bool TWO, bool STREAM_A>
+FXC_INLINE void amx_steps(const AmxPlan& pl, const uint16_t* wb, const uint16_t* tailb, int64_t c0, int64_t c1,
+                          const uint16_t* ah, const uint16_t* al, PanelPrefetch& pf) {
+  const int64_t arow = pl.chunks * 512;
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint16_t* b = c < pl.cfull ? wb + c * 1024 : tailb;
+    if constexpr (STREAM_A) {
+      _tile_loadd(6, b, 2 * NB * 2);
+      _tile_loadd(7, b + 32, 2 * NB * 2);
+      _tile_stream_loadd(4, ah + c * 512, 64);
+      if constexpr (TWO) _tile_stream_loadd(5, ah + arow + c * 512, 64);
+    } else {
+      _tile_stream_loadd(6, b, 2 * NB * 2);
+      _tile_stream_loadd(7, b + 32, 2 * NB * 2);
+      _tile_loadd(4, ah + c * 512, 64);
+      if constexpr (TWO) _tile_loadd(5, ah + arow + c * 512, 64);
+    }
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TWO) {
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    if constexpr (LO) {
+      if constexpr (STREAM_A) {
+        _tile_stream_loadd(4, al + c * 512, 64);
+        if constexpr (TWO) _tile_stream_loadd(5, al + arow + c * 512, 64);
+      } else {
+        _tile_loadd(4, al + c * 512, 64);
+        if constexpr (TWO) _tile_loadd(5, al + arow + c * 512, 64);
+      }
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      if constexpr (TWO) {
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+    }
+    pf.step();
+  }
+}
+
+template <bool LO, bool TWO>
+FXC_INLINE void amx_steps_sel(bool stream_a, const AmxPlan& pl, const uint16_t* wb, const uint16_t* tailb,
+                              int64_t c0, int64_t c1, const uint16_t* ah, const uint16_t* al, PanelPrefetch& pf) {
+  if (stream_a)
+    amx_steps<LO, TWO, true>(pl, wb, tailb, c0, c1, ah, al, pf);
+  else
+    amx_steps<LO, TWO, false>(pl, wb, tailb, c0, c1, ah, al, pf);
+}
+
+// One output row segment (32 columns of panel p, row m) from fp32 sums.
+FXC_INLINE void amx_store_row(const Problem& pb, int64_t p, int64_t m, const float* src) {
+  const int64_t c0 = p * NB;
+  const int nc = static_cast<int>(std::min<int64_t>(NB, pb.n - c0));
+  const __mmask16 k0 = nc >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1);
+  const __mmask16 k1 = nc >= 32 ? __mmask16(0xFFFF) : (nc > 16 ? static_cast<__mmask16>((1u << (nc - 16)) - 1) : __mmask16(0));
+  __m512 v0 = _mm512_load_ps(src), v1 = _mm512_load_ps(src + 16);
+  if (pb.col_scale) {
+    v0 = _mm512_mul_ps(v0, _mm512_loadu_ps(pb.col_scale + c0));
+    v1 = _mm512_mul_ps(v1, _mm512_loadu_ps(pb.col_scale + c0 + 16));
+  }
+  if (pb.bias) {
+    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, pb.bias + c0));
+    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, pb.bias + c0 + 16));
+  }
+  const int64_t o = m * pb.n + c0;
+  if (pb.out_f) {
+    _mm512_mask_storeu_ps(pb.out_f + o, k0, v0);
+    _mm512_mask_storeu_ps(pb.out_f + o + 16, k1, v1);
+  } else {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(pb.out_h + o);
+    _mm256_mask_storeu_epi16(dst, k0, bf16_rne(v0));
+    _mm256_mask_storeu_epi16(dst + 16, k1, bf16_rne(v1));
+  }
+}
+
+// One thread: panels [p0, p1) x row blocks [rb0, rb1) of 16.
+void amx_thread(const Problem& pb, const AmxPlan& pl, int64_t p0, int64_t p1, int64_t rb0, int64_t rb1) {
+  static thread_local ScratchBuf s_b, s_c, s_order;
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+
+  const int64_t nrow = (rb1 - rb0) * 16;
+  float* cbuf = s_c.get<float>(static_cast<size_t>(nrow) * NB);  // [nrow][32] sums of the current panel
+  // B staging: int8 weights (whole panel converted) or the partial last chunk of a bf16 panel.
+  uint16_t* bbuf = s_b.get<uint16_t>(static_cast<size_t>(pl.int8_w ? pl.chunks : 1) * 1024);
+  alignas(64) float gtmp[32 * NB];
+
+  // Panel order: S interleaved contiguous sub-ranges.
+  const int64_t cnt = p1 - p0;
+  const int64_t S = std::max<int64_t>(1, std::min<int64_t>(FXC_AMX_STREAMS, cnt));
+  int64_t* order = s_order.get<int64_t>(static_cast<size_t>(cnt));
+  {
+    const int64_t base = cnt / S, rem = cnt % S;
+    int64_t i = 0;
+    for (int64_t r = 0; r <= base; ++r)
+      for (int64_t s = 0; s < S; ++s) {
+        const int64_t len = base + (s < rem ? 1 : 0);
+        if (r < len) order[i++] = p0 + s * base + std::min<int64_t>(s, rem) + r;
+      }
+  }
+  const int64_t esz = pl.int8_w ? 1 : 2;
+  const int64_t pbytes = pl.pstride * esz;
+  const int64_t npairs = (rb1 - rb0 + 1) / 2;
+  const bool stream_a = npairs > 1;
+  const int64_t steps = npairs * pl.chunks;
+  const int64_t plines = (pbytes + 63) / 64;
+  const int per_step = static_cast<int>((plines + steps - 1) / steps);
+
+  for (int64_t i = 0; i < cnt; ++i) {
+    const int64_t p = order[i];
+    PanelPrefetch pf;
+    if (FXC_AMX_PF_AHEAD > 0 && i + FXC_AMX_PF_AHEAD < cnt) {
+      pf.p = static_cast<const char*>(pb.w) + order[i + FXC_AMX_PF_AHEAD] * pbytes;
+      pf.end = pf.p + pbytes;
+      pf.per_step = per_step;
+    }
+    const uint16_t* wb;
+    if (pl.int8_w) {
+      amx_convert_i8_panel(pb, pl, p, bbuf);
+      wb = bbuf;
+    } else {
+      wb = static_cast<const uint16_t*>(pb.w) + p * pl.pstride;
+      if (pl.cfull < pl.chunks) {  // partial last chunk: copy into a zero padded tile
+        const int64_t qt = pl.Q - pl.cfull * 16;
+        std::memcpy(bbuf, wb + pl.cfull * 1024, sizeof(uint16_t) * qt * 2 * NB);
+        std::memset(bbuf + qt * 2 * NB, 0, sizeof(uint16_t) * (16 - qt) * 2 * NB);
+      }
+    }
+    for (int64_t kb0 = 0; kb0 < pl.chunks; kb0 += pl.kblk) {
+      const int64_t kb1 = std::min(pl.chunks, kb0 + pl.kblk);
+      for (int64_t rb = rb0; rb < rb1; rb += 2) {
+        const bool two = rb + 1 < rb1;
+        float* crow = cbuf + (rb - rb0) * 16 * NB;
+        if (kb0 == 0 || pl.grouped) {
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+        } else {
+          _tile_loadd(0, crow, NB * 4);
+          _tile_loadd(1, crow + 16, NB * 4);
+          if (two) {
+            _tile_loadd(2, crow + 16 * NB, NB * 4);
+            _tile_loadd(3, crow + 16 * NB + 16, NB * 4);
+          }
+        }
+        const uint16_t* ah = pl.xh + rb * pl.chunks * 512;
+        const uint16_t* al = pl.lo ? pl.xl + rb * pl.chunks * 512 : nullptr;
+        if (pl.lo) {
+          if (two)
+            amx_steps_sel<true, true>(stream_a, pl, wb, bbuf, kb0, kb1, ah, al, pf);
+          else
+            amx_steps_sel<true, false>(stream_a, pl, wb, bbuf, kb0, kb1, ah, al, pf);
+        } else {
+          if (two)
+            amx_steps_sel<false, true>(stream_a, pl, wb, bbuf, kb0, kb1, ah, al, pf);
+          else
+            amx_steps_sel<false, false>(stream_a, pl, wb, bbuf, kb0, kb1, ah, al, pf);
+        }
+        float* cdst = pl.grouped ? gtmp : crow;
+        _tile_stored(0, cdst, NB * 4);
+        _tile_stored(1, cdst + 16, NB * 4);
+        if (two) {
+          _tile_stored(2, cdst + 16 * NB, NB * 4);
+          _tile_stored(3, cdst + 16 * NB + 16, NB * 4);
+        }
+        if (pl.grouped) {
+          const float* sc = pb.grp_scale + (p * pb.ngroups + kb0 / pl.cpg) * NB;
+          const __m512 s0 = _mm512_loadu_ps(sc), s1 = _mm512_loadu_ps(sc + 16);
+          const int rows = two ? 32 : 16;
+          if (kb0 == 0) {
+            for (int r = 0; r < rows; ++r) {
+              _mm512_store_ps(crow + r * NB, _mm512_mul_ps(_mm512_load_ps(gtmp + r * NB), s0));
+              _mm512_store_ps(crow + r * NB + 16, _mm512_mul_ps(_mm512_load_ps(gtmp + r * NB + 16), s1));
+            }
+          } else {
+            for (int r = 0; r < rows; ++r) {
+              _mm512_store_ps(crow + r * NB, _mm512_fmadd_ps(_mm512_load_ps(gtmp + r * NB), s0, _mm512_load_ps(crow + r * NB)));
+              _mm512_store_ps(crow + r * NB + 16,
+                              _mm512_fmadd_ps(_mm512_load_ps(gtmp + r * NB + 16), s1, _mm512_load_ps(crow + r * NB + 16)));
+            }
+          }
+        }
+      }
+    }
+    const int64_t mend = std::min<int64_t>(pb.M, rb1 * 16);
+    for (int64_t m = rb0 * 16; m < mend; ++m) amx_store_row(pb, p, m, cbuf + (m - rb0 * 16) * NB);
+  }
+  _tile_release();
+}
+
+bool amx_eligible(int64_t M, int64_t group) {
+  return M >= kAmxMinM && (group <= 0 || group % 32 == 0) && amx_usable();
+}
+
+void run_amx(const Problem& pb, bool int8_w) {
+  static thread_local ScratchBuf s_xh, s_xl;
+  AmxPlan pl;
+  pl.int8_w = int8_w;
+  pl.Q = (int8_w ? pb.K + 1 : pb.Kp) / 2;
+  pl.chunks = (pl.Q + 15) / 16;
+  pl.cfull = int8_w ? pl.chunks : pl.Q / 16;
+  pl.pstride = int8_w ? pb.K * NB : pl.Q * 2 * NB;
+  pl.Mpad = (pb.M + 15) / 16 * 16;
+  pl.lo = pb.xb == nullptr;
+  pl.grouped = pb.grp_scale != nullptr;
+  if (pl.grouped) {
+    pl.cpg = pb.group / 32;
+    pl.kblk = pl.cpg;
+  } else {
+    // One row pair: no reuse of B, no K blocking.  More rows: B blocks of ~FXC_AMX_KBYTES stay in L1
+    // while all row pairs use them (C partial sums spill to cbuf between K blocks).
+    pl.kblk = pl.Mpad <= 32 ? pl.chunks : std::max<int64_t>(1, std::min<int64_t>(pl.chunks, FXC_AMX_KBYTES / 2048));
+    // K blocks of (nearly) equal size
+    const int64_t nkb = (pl.chunks + pl.kblk - 1) / pl.kblk;
+    pl.kblk = (pl.chunks + nkb - 1) / nkb;
+  }
+  const size_t asz = static_cast<size_t>(pl.Mpad) * pl.chunks * 32;
+  uint16_t* xh = s_xh.get<uint16_t>(asz);
+  uint16_t* xl = pl.lo ? s_xl.get<uint16_t>(asz) : nullptr;
+  pl.xh = xh;
+  pl.xl = xl;
+  const int64_t nblk = pl.Mpad / 16;
+  if (pl.Mpad * pl.chunks >= 4096) {  // >= 64 rows x 2K of k: pack in parallel
+    at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) { amx_pack_rows(pb, pl, xh, xl, b0 * 16, b1 * 16); });
+  } else {
+    amx_pack_rows(pb, pl, xh, xl, 0, pl.Mpad);
+  }
+  const int64_t nt = at::get_num_threads();
+  if (pb.P >= nt || nblk < 2 * nt) {
+    at::parallel_for(0, pb.P, 1, [&](int64_t p0, int64_t p1) { amx_thread(pb, pl, p0, p1, 0, nblk); });
+  } else {  // few panels, many rows: split row-block pairs
+    const int64_t npairs = (nblk + 1) / 2;
+    at::parallel_for(0, npairs, 1, [&](int64_t q0, int64_t q1) {
+      amx_thread(pb, pl, 0, pb.P, 2 * q0, std::min(nblk, 2 * q1));
+    });
+  }
 }
 #else
-bool try_amx(const Problem&, bool, bool) { return false; }
+bool amx_eligible(int64_t, int64_t) { return false; }
+void run_amx(const Problem&, bool) {}
 #endif
 
 // --------------------------------------------------------------------------
@@ -774,8 +1019,9 @@ struct Prepared {
 };
 
 // x: [..., K] fp32 or bf16 -> fp32 rows with stride ldx >= Kp (zero padded).
+// amx: the AMX path reads x itself (fp32 [M, K] or bf16 bits [M, K], contiguous), no copy.
 void prepare_common(Prepared& pr, const at::Tensor& x, int64_t Kp, int64_t n, int64_t P,
-                    const std::optional<at::Tensor>& bias, const char* op) {
+                    const std::optional<at::Tensor>& bias, const char* op, bool amx = false) {
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dimension");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16, got ", x.scalar_type());
@@ -806,7 +1052,14 @@ void prepare_common(Prepared& pr, const at::Tensor& x, int64_t Kp, int64_t n, in
   }
 
   const at::Tensor xc = x.contiguous();
-  if (x.scalar_type() == at::kFloat && Kp == K) {
+  if (amx) {
+    pr.x_keep = xc;
+    pb.ldx = K;
+    if (x.scalar_type() == at::kFloat)
+      pb.x = xc.data_ptr<float>();
+    else
+      pb.xb = reinterpret_cast<const uint16_t*>(xc.data_ptr<c10::BFloat16>());
+  } else if (x.scalar_type() == at::kFloat && Kp == K) {
     pr.x_keep = xc;
     pb.x = xc.data_ptr<float>();
     pb.ldx = K;
@@ -847,11 +1100,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
     TORCH_CHECK(false, "fxc::linear: packed weight must be float32 or bfloat16, got ", w.scalar_type());
   }
   Prepared pr;
-  prepare_common(pr, x, Kp, n, w.size(0), bias, "fxc::linear");
+  const bool amx = kind == Kind::BF16 && K > 0 && amx_eligible(x.numel() / K, 0);
+  prepare_common(pr, x, Kp, n, w.size(0), bias, "fxc::linear", amx);
   if (pr.pb.M == 0) return pr.out;
   pr.pb.w = w.data_ptr();
-  if (kind == Kind::BF16 && try_amx(pr.pb, false, x.scalar_type() == at::kBFloat16)) return pr.out;
-  run(pr.pb, kind);
+  if (amx)
+    run_amx(pr.pb, false);
+  else
+    run(pr.pb, kind);
   return pr.out;
 }
 
@@ -865,8 +1121,9 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
               "fxc::linear_w8: scales must be contiguous float32");
   const int64_t P = w.size(0);
   Prepared pr;
-  prepare_common(pr, x, K, n, P, bias, "fxc::linear_w8");
   const bool per_channel = group_size <= 0 || group_size == K;
+  const bool amx = K > 0 && amx_eligible(x.numel() / K, per_channel ? 0 : group_size);
+  prepare_common(pr, x, K, n, P, bias, "fxc::linear_w8", amx);
   if (per_channel) {
     TORCH_CHECK(scales.dim() == 1 && scales.size(0) == P * NB,
                 "fxc::linear_w8: per-channel scales must be [P*32], got ", scales.sizes());
@@ -881,8 +1138,10 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   }
   if (pr.pb.M == 0) return pr.out;
   pr.pb.w = w.data_ptr();
-  if (try_amx(pr.pb, true, x.scalar_type() == at::kBFloat16)) return pr.out;
-  run(pr.pb, Kind::I8);
+  if (amx)
+    run_amx(pr.pb, true);
+  else
+    run(pr.pb, Kind::I8);
   return pr.out;
 }
 
@@ -903,6 +1162,15 @@ extern "C" void fxc_set_tune(long dist, int hint) {
   fxc::g_pf_dist = dist;
   fxc::g_pf_hint = hint;
 }
+#ifdef FXC_AMX
+// AMX knobs: panel streams per thread, prefetch panels ahead (0 = off), hint, B bytes per K block, step order.
+extern "C" void fxc_set_amx_tune(long streams, long pf_ahead, long hint, long kbytes) {
+  fxc::g_amx_streams = streams;
+  fxc::g_amx_pf_ahead = pf_ahead;
+  fxc::g_amx_pf_hint = hint;
+  fxc::g_amx_kbytes = kbytes;
+}
+#endif
 #endif
 
 extern "C" int fxc_kernels_amx() {

@@ -246,3 +246,37 @@ def test_avx2_build_matches_reference():
     """The AVX2 variant (used on CPUs without AVX-512), built and checked in a subprocess."""
     r = _run_py(_PATHS_CODE, {"FXCOMPILER_CPU_ISA": "avx2"})
     assert r.returncode == 0 and "OK avx2" in r.stdout, r.stdout + r.stderr
+
+
+# AMX path (bf16 / int8 weights, M >= 8): row blocks of 16 in pairs, K blocks of 8 chunks of 32 k with
+# C spilled between them, panels split between threads (or row pairs when there are fewer panels than
+# threads), K tails that are not whole chunks, N tails, per-group int8 scales.
+@pytest.mark.parametrize("k,n", [(576, 96), (1536, 40), (31, 33), (577, 65), (300, 20), (64, 200)])
+def test_amx_row_blocks_and_tails(k, n):
+    w, b = _rand(n, k, seed=k), _rand(n, seed=n)
+    wp = fxc.pack_linear_weight(w, torch.bfloat16)
+    wb = w.bfloat16().double()
+    x_all = _rand(256, k, seed=k + n)
+    qg = {g: fxc.quantize_linear_weight_int8(w, g) for g in (-1, 32, 64, 128) if g < 0 or k % g == 0}
+    full = {}
+    for m in (8, 15, 16, 17, 31, 32, 33, 48, 64, 65, 100, 256):
+        x = x_all[:m]
+        for xdt in (torch.float32, torch.bfloat16):
+            xx = x.to(xdt)
+            y = torch.ops.fxc.linear(xx, wp, b, n)
+            _check(y, xx, wb, b)
+            # each row is computed independently of the others: the first rows do not depend on M
+            key = ("bf16", xdt)
+            if key in full:
+                mm = min(m, full[key].shape[0])
+                assert torch.equal(y[:mm], full[key][:mm])
+            full[key] = y
+        # bf16 x is exact: the same products summed in fp32, rounded once (fp32 x holding bf16 values
+        # takes the hi + lo path with lo = 0 and must give the fp32 sums of which y_bf16 is the rounding)
+        xb = x.bfloat16()
+        yb = torch.ops.fxc.linear(xb, wp, None, n)
+        yf = torch.ops.fxc.linear(xb.float(), wp, None, n)
+        assert torch.equal(yf.bfloat16(), yb)
+        for g, (q, s) in qg.items():
+            y = torch.ops.fxc.linear_w8(x, q, s, b, n, g)
+            _check(y, x, fxc.dequantize_linear_weight_int8(q, s, n, g).double(), b)
