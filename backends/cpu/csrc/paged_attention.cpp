@@ -94,6 +94,7 @@ struct Geo {
 
 int g_prefetch = 1;       // 0: none, 1: T0, 2: T1, 3: NTA (_set_prefetch, for measurements)
 int g_prefetch_dist = 1;  // blocks ahead
+int g_v_in_k_pass = 1;    // prefetch a block's V rows into L2 while its K rows are read
 
 inline void prefetch_bytes(const char* p, int64_t bytes) {
   switch (g_prefetch) {
@@ -188,6 +189,12 @@ void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, in
       for (int64_t h = 0; h < Hkv; ++h) {
         if (next)
           for (int64_t t = 0; t < cnt; ++t) prefetch_bytes(next + (t0 + t) * row_bytes + h * seg_bytes, seg_bytes);
+        if (g_v_in_k_pass) {  // the same rows of this block's V into L2: a second stream while K streams
+          const char* vb = reinterpret_cast<const char*>(g.vc + row_blocks[blk] * g.block_stride);
+          for (int64_t t = 0; t < cnt; ++t)
+            for (int64_t off = 0; off < seg_bytes; off += 64)
+              __builtin_prefetch(vb + (t0 + t) * row_bytes + h * seg_bytes + off, 0, 2);
+        }
         for (int64_t gg = 0; gg < G; ++gg) {
           const float* qh = q + (h * G + gg) * D;
           __m512 qv[DV];
@@ -534,8 +541,10 @@ void register_cpu_kernels(int64_t aten_sum_lanes) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention_cpu", &paged_attention_cpu, "fxc::paged_attention CPU kernel (decode-shaped calls)");
   m.def("paged_attention", &paged_attention_op, "fxc::paged_attention on CPU: decode kernel or cache write + SDPA");
-  m.def("_set_prefetch", [](int mode, int dist) { g_prefetch = mode; g_prefetch_dist = dist; },
-        "software prefetch of the KV blocks: mode (0 none, 1 T0, 2 T1, 3 NTA), distance in blocks (measurements)");
+  m.def("_set_prefetch", [](int mode, int dist, int v_in_k) { g_prefetch = mode; g_prefetch_dist = dist; g_v_in_k_pass = v_in_k; },
+        "software prefetch of the KV blocks: mode (0 none, 1 T0, 2 T1, 3 NTA), distance in blocks, V rows "
+        "into L2 during the K pass (0/1) (measurements)",
+        py::arg("mode"), py::arg("dist"), py::arg("v_in_k") = 1);
   m.def("write_cache", &write_cache_cpu, "write K/V rows [B, Hkv, S, D] into cache slots [B, S]");
   m.def("rms_norm", &fxc_rms_norm_cpu, "fxc::rms_norm CPU kernel");
   m.def("silu_mul", &fxc_silu_mul_cpu, "fxc::silu_mul CPU kernel");
