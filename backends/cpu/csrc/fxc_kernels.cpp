@@ -461,6 +461,8 @@ static int64_t g_amx_kbytes = env_i64("FXC_AMX_KBYTES", 40960);   // B (weight) 
 #define FXC_AMX_STREAMS g_amx_streams
 #define FXC_AMX_PF_AHEAD g_amx_pf_ahead
 #define FXC_AMX_KBYTES g_amx_kbytes
+static int64_t g_amx_epi = env_i64("FXC_AMX_EPI", 1);  // 1: epilogue interleaved with the next panel
+#define FXC_AMX_EPI g_amx_epi
 
 FXC_INLINE void amx_prefetch(const void* p) {
   switch (g_amx_pf_hint) {
@@ -474,6 +476,7 @@ FXC_INLINE void amx_prefetch(const void* p) {
 #define FXC_AMX_STREAMS 4
 #define FXC_AMX_PF_AHEAD 1
 #define FXC_AMX_KBYTES 40960
+#define FXC_AMX_EPI 1
 FXC_INLINE void amx_prefetch(const void* p) { _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); }
 #endif
 
@@ -573,13 +576,56 @@ void amx_convert_i8_panel(const Problem& pb, const AmxPlan& pl, int64_t p, uint1
   std::memset(dst + q * 2 * NB, 0, sizeof(uint16_t) * (pl.chunks * 16 - q) * 2 * NB);
 }
 
-// Spreads the prefetch of one panel over the steps of the current one.
+// One output row segment (32 columns of panel p, row m) from fp32 sums.
+FXC_INLINE void amx_store_row(const Problem& pb, int64_t p, int64_t m, const float* src) {
+  const int64_t c0 = p * NB;
+  const int nc = static_cast<int>(std::min<int64_t>(NB, pb.n - c0));
+  const __mmask16 k0 = nc >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1);
+  const __mmask16 k1 = nc >= 32 ? __mmask16(0xFFFF) : (nc > 16 ? static_cast<__mmask16>((1u << (nc - 16)) - 1) : __mmask16(0));
+  __m512 v0 = _mm512_load_ps(src), v1 = _mm512_load_ps(src + 16);
+  if (pb.col_scale) {
+    v0 = _mm512_mul_ps(v0, _mm512_loadu_ps(pb.col_scale + c0));
+    v1 = _mm512_mul_ps(v1, _mm512_loadu_ps(pb.col_scale + c0 + 16));
+  }
+  if (pb.bias) {
+    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, pb.bias + c0));
+    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, pb.bias + c0 + 16));
+  }
+  const int64_t o = m * pb.n + c0;
+  if (pb.out_f) {
+    _mm512_mask_storeu_ps(pb.out_f + o, k0, v0);
+    _mm512_mask_storeu_ps(pb.out_f + o + 16, k1, v1);
+  } else {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(pb.out_h + o);
+    _mm256_mask_storeu_epi16(dst, k0, bf16_rne(v0));
+    _mm256_mask_storeu_epi16(dst + 16, k1, bf16_rne(v1));
+  }
+}
+
+// Software prefetch of the next D panels (in processing order), spread over the steps of the current
+// one: while panel i is computed, part D-j of D of panel i+j is prefetched (j = 1..D), so D sequential
+// streams are in flight and each panel is complete in L2 one panel ahead.
+// The same hook also writes the previous panel's output rows a few per step (epilogue of panel i-1
+// interleaved with the tile work of panel i, so that the vector conversion and the output stores, which
+// miss the caches for large outputs, run in the shadow of the TDPBF16PS chain).
+constexpr int kPfMax = 4;
 struct PanelPrefetch {
-  const char* p = nullptr;
-  const char* end = nullptr;
+  const char* p[kPfMax] = {};
+  const char* end[kPfMax] = {};
+  int n = 0;
   int per_step = 0;
+  // pending epilogue: rows [m, m_end) of panel ep from sums at ebuf (row m0 first)
+  const Problem* pb = nullptr;
+  const float* ebuf = nullptr;
+  int64_t ep = 0, m0 = 0, m = 0, m_end = 0;
+  int rows_per_step = 0;
   FXC_INLINE void step() {
-    for (int i = 0; i < per_step && p < end; ++i, p += 64) amx_prefetch(p);
+    for (int s = 0; s < n; ++s)
+      for (int i = 0; i < per_step && p[s] < end[s]; ++i, p[s] += 64) amx_prefetch(p[s]);
+    for (int i = 0; i < rows_per_step && m < m_end; ++i, ++m) amx_store_row(*pb, ep, m, ebuf + (m - m0) * NB);
+  }
+  void flush() {
+    for (; m < m_end; ++m) amx_store_row(*pb, ep, m, ebuf + (m - m0) * NB);
   }
 };
 
@@ -639,32 +685,6 @@ FXC_INLINE void amx_steps_sel(bool stream_a, const AmxPlan& pl, const uint16_t* 
     amx_steps<LO, TWO, false>(pl, wb, tailb, c0, c1, ah, al, pf);
 }
 
-// One output row segment (32 columns of panel p, row m) from fp32 sums.
-FXC_INLINE void amx_store_row(const Problem& pb, int64_t p, int64_t m, const float* src) {
-  const int64_t c0 = p * NB;
-  const int nc = static_cast<int>(std::min<int64_t>(NB, pb.n - c0));
-  const __mmask16 k0 = nc >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1);
-  const __mmask16 k1 = nc >= 32 ? __mmask16(0xFFFF) : (nc > 16 ? static_cast<__mmask16>((1u << (nc - 16)) - 1) : __mmask16(0));
-  __m512 v0 = _mm512_load_ps(src), v1 = _mm512_load_ps(src + 16);
-  if (pb.col_scale) {
-    v0 = _mm512_mul_ps(v0, _mm512_loadu_ps(pb.col_scale + c0));
-    v1 = _mm512_mul_ps(v1, _mm512_loadu_ps(pb.col_scale + c0 + 16));
-  }
-  if (pb.bias) {
-    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, pb.bias + c0));
-    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, pb.bias + c0 + 16));
-  }
-  const int64_t o = m * pb.n + c0;
-  if (pb.out_f) {
-    _mm512_mask_storeu_ps(pb.out_f + o, k0, v0);
-    _mm512_mask_storeu_ps(pb.out_f + o + 16, k1, v1);
-  } else {
-    uint16_t* dst = reinterpret_cast<uint16_t*>(pb.out_h + o);
-    _mm256_mask_storeu_epi16(dst, k0, bf16_rne(v0));
-    _mm256_mask_storeu_epi16(dst + 16, k1, bf16_rne(v1));
-  }
-}
-
 // One thread: panels [p0, p1) x row blocks [rb0, rb1) of 16.
 void amx_thread(const Problem& pb, const AmxPlan& pl, int64_t p0, int64_t p1, int64_t rb0, int64_t rb1) {
   static thread_local ScratchBuf s_b, s_c, s_order;
@@ -676,7 +696,8 @@ void amx_thread(const Problem& pb, const AmxPlan& pl, int64_t p0, int64_t p1, in
   _tile_loadconfig(&cfg);
 
   const int64_t nrow = (rb1 - rb0) * 16;
-  float* cbuf = s_c.get<float>(static_cast<size_t>(nrow) * NB);  // [nrow][32] sums of the current panel
+  // [2][nrow][32]: sums of the current panel and of the previous one (its epilogue still running)
+  float* cbuf2 = s_c.get<float>(static_cast<size_t>(2 * nrow) * NB);
   // B staging: int8 weights (whole panel converted) or the partial last chunk of a bf16 panel.
   uint16_t* bbuf = s_b.get<uint16_t>(static_cast<size_t>(pl.int8_w ? pl.chunks : 1) * 1024);
   alignas(64) float gtmp[32 * NB];
@@ -699,16 +720,24 @@ void amx_thread(const Problem& pb, const AmxPlan& pl, int64_t p0, int64_t p1, in
   const int64_t npairs = (rb1 - rb0 + 1) / 2;
   const bool stream_a = npairs > 1;
   const int64_t steps = npairs * pl.chunks;
-  const int64_t plines = (pbytes + 63) / 64;
-  const int per_step = static_cast<int>((plines + steps - 1) / steps);
+  const int64_t pf_d = std::max<int64_t>(0, std::min<int64_t>(kPfMax, FXC_AMX_PF_AHEAD));
+  const int64_t part_lines = pf_d > 0 ? ((pbytes + 63) / 64 + pf_d - 1) / pf_d : 0;
+  const int per_step = static_cast<int>((part_lines + steps - 1) / steps);
 
+  const int64_t mend = std::min<int64_t>(pb.M, rb1 * 16);
+  const int rows_per_step = FXC_AMX_EPI ? static_cast<int>((mend - rb0 * 16 + steps - 1) / steps) : 0;
+  PanelPrefetch pend;  // epilogue of the previous panel
   for (int64_t i = 0; i < cnt; ++i) {
     const int64_t p = order[i];
-    PanelPrefetch pf;
-    if (FXC_AMX_PF_AHEAD > 0 && i + FXC_AMX_PF_AHEAD < cnt) {
-      pf.p = static_cast<const char*>(pb.w) + order[i + FXC_AMX_PF_AHEAD] * pbytes;
-      pf.end = pf.p + pbytes;
-      pf.per_step = per_step;
+    float* cbuf = cbuf2 + (i & 1) * nrow * NB;
+    PanelPrefetch pf = pend;
+    pf.per_step = per_step;
+    for (int64_t j = 1; j <= pf_d && i + j < cnt; ++j) {
+      const char* base = static_cast<const char*>(pb.w) + order[i + j] * pbytes;
+      const int64_t lo = (pf_d - j) * part_lines * 64;
+      pf.p[pf.n] = base + std::min(lo, pbytes);
+      pf.end[pf.n] = base + std::min(lo + part_lines * 64, pbytes);
+      ++pf.n;
     }
     const uint16_t* wb;
     if (pl.int8_w) {
@@ -779,9 +808,16 @@ void amx_thread(const Problem& pb, const AmxPlan& pl, int64_t p0, int64_t p1, in
         }
       }
     }
-    const int64_t mend = std::min<int64_t>(pb.M, rb1 * 16);
-    for (int64_t m = rb0 * 16; m < mend; ++m) amx_store_row(pb, p, m, cbuf + (m - rb0 * 16) * NB);
+    pf.flush();  // rest of the previous panel's rows
+    pend = PanelPrefetch();
+    pend.pb = &pb;
+    pend.ebuf = cbuf;
+    pend.ep = p;
+    pend.m0 = pend.m = rb0 * 16;
+    pend.m_end = mend;
+    pend.rows_per_step = rows_per_step;
   }
+  pend.flush();
   _tile_release();
 }
 
@@ -817,7 +853,7 @@ void run_amx(const Problem& pb, bool int8_w) {
   pl.xh = xh;
   pl.xl = xl;
   const int64_t nblk = pl.Mpad / 16;
-  if (pl.Mpad * pl.chunks >= 4096) {  // >= 64 rows x 2K of k: pack in parallel
+  if (pl.Mpad * pl.chunks >= 1024) {  // e.g. >= 64 rows x 512 k: pack in parallel
     at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) { amx_pack_rows(pb, pl, xh, xl, b0 * 16, b1 * 16); });
   } else {
     amx_pack_rows(pb, pl, xh, xl, 0, pl.Mpad);
@@ -1164,7 +1200,8 @@ extern "C" void fxc_set_tune(long dist, int hint) {
 }
 #ifdef FXC_AMX
 // AMX knobs: panel streams per thread, prefetch panels ahead (0 = off), hint, B bytes per K block, step order.
-extern "C" void fxc_set_amx_tune(long streams, long pf_ahead, long hint, long kbytes) {
+extern "C" void fxc_set_amx_tune(long streams, long pf_ahead, long hint, long kbytes, long epi) {
+  fxc::g_amx_epi = epi;
   fxc::g_amx_streams = streams;
   fxc::g_amx_pf_ahead = pf_ahead;
   fxc::g_amx_pf_hint = hint;
