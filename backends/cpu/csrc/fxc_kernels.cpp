@@ -853,7 +853,9 @@ void run_amx(const Problem& pb, bool int8_w) {
   pl.xh = xh;
   pl.xl = xl;
   const int64_t nblk = pl.Mpad / 16;
-  if (pl.Mpad * pl.chunks >= 1024) {  // e.g. >= 64 rows x 512 k: pack in parallel
+  // Pack in parallel only when it is worth a second fork/join: fp32 x (hi/lo split) from 64 rows x 1K k,
+  // bf16 x (a copy) from 256 rows x 1K k.
+  if (pl.Mpad * pl.chunks >= (pl.lo ? 2048 : 8192)) {
     at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) { amx_pack_rows(pb, pl, xh, xl, b0 * 16, b1 * 16); });
   } else {
     amx_pack_rows(pb, pl, xh, xl, 0, pl.Mpad);
