@@ -30,6 +30,12 @@ class EngineDriver:
         self._running = False
         self.steps_in_flight_max = 0
 
+    @property
+    def running(self) -> bool:
+        """Whether the worker thread is stepping the engine (or about to)."""
+        with self._state:
+            return self._running
+
     def kick(self) -> None:
         """Make sure the worker runs (call after adding requests, outside the engine lock)."""
         with self._state:

@@ -431,3 +431,49 @@ def test_beam_search_logprobs(llama_llm, hf_llama):
             assert entry[tok].logprob == pytest.approx(float(ref[step]), abs=1e-5)  # float32, as beam scores
             assert entry[tok].rank >= 1 and len(entry) in (2, 3)
         assert c.cumulative_logprob == pytest.approx(float(ref.sum()), abs=1e-4)
+
+
+def test_generate_steps_on_the_calling_thread_and_alongside_a_stream(llama_llm):
+    """Blocking generate runs engine steps on its own thread (OpenMP work stays on one thread);
+    while a stream keeps the driver's worker busy it consumes the worker's outputs instead."""
+    import threading
+    import time
+
+    engine = llama_llm.engine
+    step, threads = engine.step, []
+
+    def recording_step():
+        threads.append(threading.current_thread())
+        return step()
+
+    engine.step = recording_step
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        alone = llama_llm.generate(None, sp, prompt_token_ids=[[5, 6, 7, 8]])[0].outputs[0].token_ids
+        assert threads and set(threads) == {threading.current_thread()}
+
+        # a streaming consumer (what stream_generate does): its request is stepped by the driver's worker
+        threads.clear()
+        with llama_llm._lock:
+            engine.add_request("streamed", [9, 10, 11], SamplingParams(temperature=0, max_tokens=60,
+                                                                        ignore_eos=True), None)
+        streamed: list = []
+
+        def consume():
+            while not any(o.finished for o in streamed):
+                llama_llm._step_and_dispatch()
+                streamed.extend(llama_llm._pending.pop("streamed", []))
+
+        consumer = threading.Thread(target=consume)
+        consumer.start()
+        deadline = time.monotonic() + 30
+        while not threads and time.monotonic() < deadline:  # the worker has started stepping
+            time.sleep(0.001)
+        again = llama_llm.generate(None, sp, prompt_token_ids=[[5, 6, 7, 8]])[0].outputs[0].token_ids
+        consumer.join(timeout=60)
+        assert not consumer.is_alive() and again == alone
+        assert any(t is not threading.current_thread() for t in threads)  # the worker stepped too
+    finally:
+        engine.step = step
+    blocks = engine.scheduler.blocks
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
