@@ -28,6 +28,8 @@ class EngineDriver:
         self.results: queue.Queue = queue.Queue(maxsize=queue_limit)
         self._state = threading.Lock()
         self._running = False
+        self._thread: threading.Thread | None = None
+        self._wake = threading.Event()
         self.steps_in_flight_max = 0
 
     @property
@@ -37,13 +39,28 @@ class EngineDriver:
             return self._running
 
     def kick(self) -> None:
-        """Make sure the worker runs (call after adding requests, outside the engine lock)."""
+        """Make sure the worker runs (call after adding requests, outside the engine lock).
+
+        The worker is one long-lived thread that sleeps while the engine is idle: torch's
+        OpenMP team stays with the thread that starts it, so a fresh thread per busy
+        period would build a new team (and compete with the old one) each time."""
         with self._state:
             if not self._running:
                 self._running = True
-                threading.Thread(target=self._run, name="fxcompiler-engine", daemon=True).start()
+                if self._thread is None or not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._serve, name="fxcompiler-engine", daemon=True)
+                    self._thread.start()
+                self._wake.set()
 
-    def _run(self) -> None:
+    def _serve(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            if not self._run():
+                return
+
+    def _run(self) -> bool:
+        """Step until the engine is idle; False after handing an exception to the consumer."""
         try:
             while True:
                 with self.lock:
@@ -60,8 +77,9 @@ class EngineDriver:
                 self.results.put(outs)  # blocks while npu_queue_limit steps wait to be consumed
                 self.steps_in_flight_max = max(self.steps_in_flight_max, self.results.qsize())
                 if isinstance(outs, BaseException):
-                    return
+                    return False
             self.results.put(_IDLE)
+            return True
         finally:
             with self._state:
                 self._running = False

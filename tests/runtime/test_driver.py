@@ -54,3 +54,22 @@ def test_step_errors_reach_the_consumer():
 def test_queue_limit_must_be_positive():
     with pytest.raises(ValueError, match="npu_queue_limit"):
         EngineDriver(CountingEngine(1), 0, threading.Lock())
+
+
+def test_one_worker_thread_serves_every_busy_period():
+    """The worker sleeps while idle and is reused: OpenMP work stays on one thread."""
+    engine = CountingEngine(total=3)
+    threads = []
+    step = engine.step
+    engine.step = lambda: (threads.append(threading.current_thread()), step())[1]
+    driver = EngineDriver(engine, 2, threading.Lock())
+    for total in (3, 6, 9):
+        engine.total = total
+        driver.kick()
+        while driver.next_outputs(timeout=5) is not None:
+            pass
+        deadline = time.monotonic() + 5
+        while driver.running and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert not driver.running
+    assert len(threads) == 9 and len(set(threads)) == 1 and threads[0] is not threading.current_thread()
