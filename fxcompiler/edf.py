@@ -88,8 +88,9 @@ class EdfPackage:
 # 670 us, all rewritten to ATen 2160 us (the references unpack the prepacked weights and
 # gather the paged context on every call); keeping rms_norm, silu_mul or rope as well ties
 # (647-654 us): Inductor fuses their references with their neighbours (rms_norm with the
-# residual add, rope with the q/k split) and an extern call of a Python-registered kernel
-# costs ~2 us more than a fused loop. CUDA has no fxc kernels: everything is ATen there.
+# residual add, rope with the q/k split) and an extern call of what was then a Python-registered
+# kernel cost ~2 us more than a fused loop (the CPU kernels are registered from C++ since; not
+# re-measured). CUDA has no fxc kernels: everything is ATen there.
 EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).

@@ -24,7 +24,6 @@ from . import _build
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp")
 _HEADERS = (_CSRC / "simd_math.h",)
-MAX_KERNEL_QUERY_TOKENS = 4  # beyond this, SDPA's blocked kernel wins (kMaxKernelQueryTokens in the C++)
 _lock = threading.Lock()
 _state: dict = {"module": None, "tried": False, "error": None}
 _installed = False
@@ -66,9 +65,10 @@ def kernel_module():
 
 def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
                         scale, sliding_window=-1, softcap=0.0):
-    """What a CPU call of ``fxc::paged_attention`` runs: the C++ decode kernel for calls of up to
-    ``MAX_KERNEL_QUERY_TOKENS`` query tokens, else the C++ cache write and SDPA over the gathered context
-    (the ATen reference when the module cannot be built)."""
+    """What a CPU call of ``fxc::paged_attention`` runs: the C++ decode kernel for calls of up to 4 query
+    tokens (``kMaxKernelQueryTokens`` in ``csrc/paged_attention.cpp``; beyond, SDPA's blocked kernel wins),
+    else the C++ cache write and SDPA over the gathered context (the ATen reference when the module
+    cannot be built)."""
     mod = kernel_module()
     if mod is not None:
         return mod.paged_attention(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,

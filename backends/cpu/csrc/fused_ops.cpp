@@ -424,7 +424,8 @@ torch::Tensor fxc_aten_row_sums(torch::Tensor x, int64_t lanes) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "aten_row_sums: x must be a 2-D float tensor");
   auto xc = x.contiguous();
   auto out = torch::empty({xc.size(0)}, xc.options());
+  float* o = out.data_ptr<float>();
   for (int64_t r = 0; r < xc.size(0); ++r)
-    out[r] = aten_row_sum_lanes(xc.data_ptr<float>() + r * xc.size(1), xc.size(1), static_cast<int>(lanes));
+    o[r] = aten_row_sum_lanes(xc.data_ptr<float>() + r * xc.size(1), xc.size(1), static_cast<int>(lanes));
   return out;
 }

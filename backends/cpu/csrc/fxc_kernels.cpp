@@ -638,39 +638,37 @@ template <bool LO, bool TWO, bool STREAM_A>
 FXC_INLINE void amx_steps(const AmxPlan& pl, const uint16_t* wb, const uint16_t* tailb, int64_t c0, int64_t c1,
                           const uint16_t* ah, const uint16_t* al, PanelPrefetch& pf) {
   const int64_t arow = pl.chunks * 512;
-  for (int64_t c = c0; c < c1; ++c) {
-    const uint16_t* b = c < pl.cfull ? wb + c * 1024 : tailb;
+  auto load_a = [&](const uint16_t* a) {  // the row block(s) of one chunk into A tiles 4 (and 5)
     if constexpr (STREAM_A) {
-      _tile_loadd(6, b, 2 * NB * 2);
-      _tile_loadd(7, b + 32, 2 * NB * 2);
-      _tile_stream_loadd(4, ah + c * 512, 64);
-      if constexpr (TWO) _tile_stream_loadd(5, ah + arow + c * 512, 64);
+      _tile_stream_loadd(4, a, 64);
+      if constexpr (TWO) _tile_stream_loadd(5, a + arow, 64);
     } else {
-      _tile_stream_loadd(6, b, 2 * NB * 2);
-      _tile_stream_loadd(7, b + 32, 2 * NB * 2);
-      _tile_loadd(4, ah + c * 512, 64);
-      if constexpr (TWO) _tile_loadd(5, ah + arow + c * 512, 64);
+      _tile_loadd(4, a, 64);
+      if constexpr (TWO) _tile_loadd(5, a + arow, 64);
     }
+  };
+  auto multiply = [] {  // C tiles 0..3 += A tiles x B tiles 6/7
     _tile_dpbf16ps(0, 4, 6);
     _tile_dpbf16ps(1, 4, 7);
     if constexpr (TWO) {
       _tile_dpbf16ps(2, 5, 6);
       _tile_dpbf16ps(3, 5, 7);
     }
-    if constexpr (LO) {
-      if constexpr (STREAM_A) {
-        _tile_stream_loadd(4, al + c * 512, 64);
-        if constexpr (TWO) _tile_stream_loadd(5, al + arow + c * 512, 64);
-      } else {
-        _tile_loadd(4, al + c * 512, 64);
-        if constexpr (TWO) _tile_loadd(5, al + arow + c * 512, 64);
-      }
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      if constexpr (TWO) {
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
-      }
+  };
+  for (int64_t c = c0; c < c1; ++c) {
+    const uint16_t* b = c < pl.cfull ? wb + c * 1024 : tailb;
+    if constexpr (STREAM_A) {
+      _tile_loadd(6, b, 2 * NB * 2);
+      _tile_loadd(7, b + 32, 2 * NB * 2);
+    } else {
+      _tile_stream_loadd(6, b, 2 * NB * 2);
+      _tile_stream_loadd(7, b + 32, 2 * NB * 2);
+    }
+    load_a(ah + c * 512);
+    multiply();
+    if constexpr (LO) {  // fp32 x: the lo parts against the same B tiles
+      load_a(al + c * 512);
+      multiply();
     }
     pf.step();
   }
