@@ -13,7 +13,7 @@ import torch
 from fxcompiler.ops import paged_attention  # noqa: F401  (the graph calls fxc::paged_attention)
 from fxcompiler.pipeline import ParamInfo, Pipeline, SuperTaskKind
 
-from . import register_backend
+from . import graph_program, register_backend
 
 
 class FxExecutable:
@@ -29,7 +29,8 @@ class FxExecutable:
     embeddings). KV caches are user inputs that ``fxc::paged_attention`` updates in place.
     """
 
-    def __init__(self, pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device):
+    def __init__(self, pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device,
+                 native: bool = False):
         self.device = device
         comps = pipeline.compute_supertasks()
         if not comps or any(t.kind is not SuperTaskKind.FX for _, t in comps):
@@ -85,8 +86,24 @@ class FxExecutable:
         # One supertask reading every user input in order: one call into the graph code.
         self._single = len(plan) == 1 and plan[0][2] == tuple(range(len(user_names))) and len(plan[0][3]) == 1
         self._forward, self._bound = self._plan[0][0], self._plan[0][1]
+        self.program, self.fallback_reason = None, None
+        if native and graph_program.enabled():
+            try:
+                self.program = graph_program.compile_plan([tuple(step[:4]) for step in plan], len(user_names),
+                                                          self._out_slot)
+            except graph_program.UnsupportedGraph as exc:
+                self.fallback_reason = str(exc)
+        else:
+            self.fallback_reason = "disabled" if native else f"not enabled on {device.type}"
+
+    @property
+    def executor(self) -> str:
+        """``'native'`` (one C++ program, ``backends/graph_program.py``) or ``'python'`` (the graphs' code)."""
+        return "native" if self.program is not None else "python"
 
     def __call__(self, *user_inputs: torch.Tensor) -> torch.Tensor:
+        if self.program is not None:
+            return self.program.run(user_inputs)[0]
         if self._single:
             out = self._forward(*self._bound, *user_inputs)
             return out[0] if isinstance(out, (tuple, list)) else out
@@ -139,7 +156,7 @@ def compile_fx_cpu(pipeline: Pipeline, params: dict[str, torch.Tensor], device: 
     from .cpu import attention
 
     attention.install()  # C++ decode kernel for fxc::paged_attention (falls back to ATen with a warning)
-    return FxExecutable(pipeline, params, device)
+    return FxExecutable(pipeline, params, device, native=True)
 
 
 @register_backend("fx", "cuda")
