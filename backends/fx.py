@@ -27,6 +27,11 @@ class FxExecutable:
     lookups by name. Supertasks that share a blob call the same GraphModule. Parameters
     are moved to the device once, each tensor once however many supertasks read it (tied
     embeddings). KV caches are user inputs that ``fxc::paged_attention`` updates in place.
+
+    ``native=True`` (the CPU backend) flattens that plan into one ``GraphProgram``
+    (:mod:`backends.graph_program`): a call is then one C++ loop of dispatcher calls with the GIL
+    released, the same operators in the same order. ``executor`` says which runs;
+    ``fallback_reason`` why the Python plan does (an unsupported node, switched off, no compiler).
     """
 
     def __init__(self, pipeline: Pipeline, params: dict[str, torch.Tensor], device: torch.device,
