@@ -122,14 +122,25 @@ def test_fused_kernels_match_references(rows, hidden, dtype, seed):
     torch.testing.assert_close(torch.ops.fxc.silu_mul(x, up), silu_mul_reference(x, up), rtol=tol, atol=tol)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(b=st.integers(1, 3), h=st.integers(1, 4), s=st.integers(1, 9), d=st.sampled_from([8, 16, 64]),
-       dtype=st.sampled_from([torch.float32, torch.float64]), seed=st.integers(0, 2**16))
-def test_rope_kernel_is_bit_identical_to_reference(b, h, s, d, dtype, seed):
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), seed=st.integers(0, 2**16),
+       cos_shape=st.sampled_from(["b1sd", "11sd", "sd", "b1sd-strided"]))
+def test_rope_kernel_is_bit_identical_to_reference(b, h, s, d, dtype, seed, cos_shape):
+    """cos/sin broadcast from [B, 1, S, D] (the graphs'), [1, 1, S, D], [S, D], or strided along D."""
     from fxcompiler.ops.fused import rope_reference
 
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(b, s, h, d, generator=g).to(dtype).transpose(1, 2)  # strided like transformers' q/k
-    cos = torch.randn(b, 1, s, d, generator=g).to(dtype)
-    sin = torch.randn(b, 1, s, d, generator=g).to(dtype)
+    shape = {"b1sd": (b, 1, s, d), "11sd": (1, 1, s, d), "sd": (s, d), "b1sd-strided": (b, 1, s, 2 * d)}[cos_shape]
+    cos = torch.randn(*shape, generator=g).to(dtype)
+    sin = torch.randn(*shape, generator=g).to(dtype)
+    if cos_shape.endswith("strided"):
+        cos, sin = cos[..., ::2], sin[..., ::2]
     assert torch.equal(torch.ops.fxc.rope(x, cos, sin), rope_reference(x, cos, sin))
+
+
+def test_rope_kernel_rejects_cos_that_does_not_broadcast():
+    x = torch.randn(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="does not broadcast"):
+        torch.ops.fxc.rope(x, torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
