@@ -24,9 +24,9 @@ import hashlib
 import operator
 import os
 import threading
-import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -50,19 +50,10 @@ def enabled() -> bool:
 
 def program_module():
     """The compiled extension module (built on first use into the kernel cache), or None with one warning."""
-    if _state["tried"]:
-        return _state["module"]
-    with _lock:
-        if not _state["tried"]:
-            try:
-                _state["module"] = _load()
-            except Exception as exc:  # compiler missing, build or load error
-                _state["error"] = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"fxcompiler native graph executor unavailable ({str(exc).splitlines()[0][:200]}); "
-                              "graphs run through their Python code", RuntimeWarning, stacklevel=2)
-            finally:
-                _state["tried"] = True
-    return _state["module"]
+    from .cpu import _build
+
+    return _build.load_once(_state, _lock, _load, "fxcompiler native graph executor unavailable, graphs run "
+                            "through their Python code")
 
 
 def _load():

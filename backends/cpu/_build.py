@@ -159,3 +159,21 @@ def ensure_loaded() -> bool:
 
 def state() -> dict:
     return dict(_state)
+
+
+def load_once(state: dict, lock, load, unavailable: str) -> object | None:
+    """``state["module"]``, calling ``load()`` the first time in this process (under ``lock``). A failure
+    (compiler missing, build or load error) is kept in ``state["error"]``, warned about once with
+    ``unavailable`` (what runs instead), and gives None from then on."""
+    if state["tried"]:
+        return state["module"]
+    with lock:
+        if not state["tried"]:
+            try:
+                state["module"] = load()
+            except Exception as exc:
+                state["error"] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"{unavailable} ({str(exc).splitlines()[0][:200]})", RuntimeWarning, stacklevel=3)
+            finally:
+                state["tried"] = True
+    return state["module"]

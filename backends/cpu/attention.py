@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -48,19 +47,8 @@ def _load():
 
 def kernel_module():
     """The compiled module, or None (with one warning) when it cannot be built here."""
-    if _state["tried"]:
-        return _state["module"]
-    with _lock:
-        if not _state["tried"]:
-            try:
-                _state["module"] = _load()
-            except Exception as exc:  # compiler missing, build or load error
-                _state["error"] = f"{type(exc).__name__}: {exc}"
-                warnings.warn(f"fxc::paged_attention CPU kernel unavailable ({str(exc).splitlines()[0][:200]}); "
-                              "using the ATen reference", RuntimeWarning, stacklevel=2)
-            finally:
-                _state["tried"] = True
-    return _state["module"]
+    return _build.load_once(_state, _lock, _load, "fxc::paged_attention CPU kernel unavailable, using the ATen "
+                            "reference")
 
 
 def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
