@@ -103,7 +103,7 @@ def _arg_spec(value, env: dict, reads: set[int], label: str):
         return ("slot", env[value])
     if isinstance(value, (list, tuple)) and any(isinstance(v, torch.fx.Node) for v in value):
         return ("list", [_arg_spec(v, env, reads, label) for v in value])
-    if isinstance(value, (torch.fx.immutable_collections.immutable_list, tuple)):
+    if isinstance(value, (list, tuple)):  # fx's immutable_list, or a tuple where the schema wants a list
         value = list(value)
     if isinstance(value, torch.Tensor):
         raise UnsupportedGraph(f"{label}: tensor constant in the arguments")

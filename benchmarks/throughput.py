@@ -115,12 +115,16 @@ def interleaved_rounds(hf, fx, rounds: int) -> tuple[dict, dict, dict]:
     keys = ("ttft_ms", "decode_tok_s", "batch_tok_s", "batch_seconds")
     hf_r = {k: med("hf", k) for k in keys} | {"rounds": [x["hf"] for x in per_round]}
     fx_r = {k: med("fx", k) for k in keys} | {"rounds": [x["fx"] for x in per_round]}
+    def speedups(key: str, higher_is_better: bool = True) -> list[float]:
+        return [x["fx"][key] / x["hf"][key] if higher_is_better else x["hf"][key] / x["fx"][key] for x in per_round]
+
+    decode, throughput = speedups("decode_tok_s"), speedups("batch_tok_s")
     ratios = {
-        "batch1_decode": statistics.median(x["fx"]["decode_tok_s"] / x["hf"]["decode_tok_s"] for x in per_round),
-        "ttft_speedup": statistics.median(x["hf"]["ttft_ms"] / x["fx"]["ttft_ms"] for x in per_round),
-        "throughput": statistics.median(x["fx"]["batch_tok_s"] / x["hf"]["batch_tok_s"] for x in per_round),
-        "throughput_per_round": [x["fx"]["batch_tok_s"] / x["hf"]["batch_tok_s"] for x in per_round],
-        "batch1_decode_per_round": [x["fx"]["decode_tok_s"] / x["hf"]["decode_tok_s"] for x in per_round],
+        "batch1_decode": statistics.median(decode),
+        "ttft_speedup": statistics.median(speedups("ttft_ms", higher_is_better=False)),
+        "throughput": statistics.median(throughput),
+        "throughput_per_round": throughput,
+        "batch1_decode_per_round": decode,
     }
     return hf_r, fx_r, ratios
 

@@ -4,7 +4,6 @@
 #include <ATen/Parallel.h>
 
 #include <array>
-
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -54,9 +53,12 @@ void rms_rows(const scalar_t* x, const scalar_t* w, scalar_t* y, int64_t rows, i
   });
 }
 
+// Rows per parallel_for chunk for row-wise elementwise kernels: ~16K elements a chunk.
+inline int64_t row_grain(int64_t H) { return std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(H, 1)); }
+
 // Rows of H elements; gate/up rows may be strided (the halves of a fused gate_up projection).
 void silu_mul_f32(const float* g0, int64_t gs, const float* u0, int64_t us, float* y0, int64_t rows, int64_t H) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(H, 1)), [&](int64_t rb, int64_t re) {
+  at::parallel_for(0, rows, row_grain(H), [&](int64_t rb, int64_t re) {
     for (int64_t r = rb; r < re; ++r) {
       const float* g = g0 + r * gs;
       const float* u = u0 + r * us;
@@ -113,7 +115,7 @@ inline __mmask16 tail_mask(int64_t left) {
 // the two bf16 values in fp32, rounded to bf16.
 void silu_mul_bf16(const c10::BFloat16* g0, int64_t gs, const c10::BFloat16* u0, int64_t us, c10::BFloat16* y0,
                    int64_t rows, int64_t H) {
-  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 14) / std::max<int64_t>(H, 1)), [&](int64_t rb, int64_t re) {
+  at::parallel_for(0, rows, row_grain(H), [&](int64_t rb, int64_t re) {
     const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t r = rb; r < re; ++r) {
       const c10::BFloat16* g = g0 + r * gs;

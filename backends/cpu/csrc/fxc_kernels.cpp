@@ -113,19 +113,27 @@ constexpr int NV = NB / Vec::L;   // vectors per panel row
 constexpr int MRMAX = Vec::MRMAX;
 
 #ifdef FXC_TUNE
-// Tuning knobs (only in FXC_TUNE builds): FXC_PF_DIST bytes, FXC_PF_HINT 0=T0 1=T1 2=NTA 3=off.
-static int64_t g_pf_dist = [] { const char* e = std::getenv("FXC_PF_DIST"); return e ? std::atol(e) : FXC_PF_DIST; }();
-static int g_pf_hint = [] { const char* e = std::getenv("FXC_PF_HINT"); return e ? std::atoi(e) : 0; }();
-#undef FXC_PF_DIST
-#define FXC_PF_DIST g_pf_dist
-FXC_INLINE void prefetch(const void* p) {
-  switch (g_pf_hint) {
+// Tuning knobs (only in FXC_TUNE builds) are read from the environment.
+static int64_t env_i64(const char* name, int64_t dflt) {
+  const char* e = std::getenv(name);
+  return e ? std::atol(e) : dflt;
+}
+// A prefetch with a hint chosen at run time: 0=T0 1=T1 2=T2 3=NTA, anything else: none.
+FXC_INLINE void prefetch_hint(const void* p, int64_t hint) {
+  switch (hint) {
     case 0: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); break;
     case 1: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); break;
-    case 2: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); break;
+    case 2: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T2); break;
+    case 3: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); break;
     default: break;
   }
 }
+// FXC_PF_DIST bytes ahead, FXC_PF_HINT (as prefetch_hint) for the FMA kernels' weight prefetch.
+static int64_t g_pf_dist = env_i64("FXC_PF_DIST", FXC_PF_DIST);
+static int64_t g_pf_hint = env_i64("FXC_PF_HINT", 0);
+#undef FXC_PF_DIST
+#define FXC_PF_DIST g_pf_dist
+FXC_INLINE void prefetch(const void* p) { prefetch_hint(p, g_pf_hint); }
 #else
 FXC_INLINE void prefetch(const void* p) {
   _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
@@ -450,13 +458,9 @@ constexpr int64_t kAmxMinM = 8;  // below: the FMA kernels (bandwidth bound anyw
 
 // Tuning constants (FXC_TUNE builds read them from the environment).
 #ifdef FXC_TUNE
-static int64_t env_i64(const char* name, int64_t dflt) {
-  const char* e = std::getenv(name);
-  return e ? std::atol(e) : dflt;
-}
 static int64_t g_amx_streams = env_i64("FXC_AMX_STREAMS", 4);     // interleaved panel sub-ranges per thread
 static int64_t g_amx_pf_ahead = env_i64("FXC_AMX_PF_AHEAD", 1);   // prefetch the panel this many ahead (0: off)
-static int64_t g_amx_pf_hint = env_i64("FXC_AMX_PF_HINT", 1);     // 0=T0 1=T1 2=T2 3=NTA
+static int64_t g_amx_pf_hint = env_i64("FXC_AMX_PF_HINT", 1);     // as prefetch_hint
 static int64_t g_amx_kbytes = env_i64("FXC_AMX_KBYTES", 40960);   // B (weight) bytes per K block
 #define FXC_AMX_STREAMS g_amx_streams
 #define FXC_AMX_PF_AHEAD g_amx_pf_ahead
@@ -464,14 +468,7 @@ static int64_t g_amx_kbytes = env_i64("FXC_AMX_KBYTES", 40960);   // B (weight) 
 static int64_t g_amx_epi = env_i64("FXC_AMX_EPI", 1);  // 1: epilogue interleaved with the next panel
 #define FXC_AMX_EPI g_amx_epi
 
-FXC_INLINE void amx_prefetch(const void* p) {
-  switch (g_amx_pf_hint) {
-    case 0: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); break;
-    case 1: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); break;
-    case 2: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T2); break;
-    default: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_NTA); break;
-  }
-}
+FXC_INLINE void amx_prefetch(const void* p) { prefetch_hint(p, g_amx_pf_hint); }
 #else
 #define FXC_AMX_STREAMS 4
 #define FXC_AMX_PF_AHEAD 1

@@ -100,10 +100,14 @@ int g_prefetch_dist = 1;  // blocks ahead
 // >= 2: while a block's V rows are read, the next piece's K block of the same index goes to L2.
 int g_l2_streams = 2;
 
+inline void prefetch_l2(const char* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2);
+}
+
 inline void prefetch_bytes(const char* p, int64_t bytes) {
   switch (g_prefetch) {
     case 1: for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3); break;
-    case 2: for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 2); break;
+    case 2: prefetch_l2(p, bytes); break;
     case 3: for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 0); break;
     default: break;
   }
@@ -195,9 +199,7 @@ void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, in
           for (int64_t t = 0; t < cnt; ++t) prefetch_bytes(next + (t0 + t) * row_bytes + h * seg_bytes, seg_bytes);
         if (g_l2_streams) {  // the same rows of this block's V into L2: a second stream while K streams
           const char* vb = reinterpret_cast<const char*>(g.vc + row_blocks[blk] * g.block_stride);
-          for (int64_t t = 0; t < cnt; ++t)
-            for (int64_t off = 0; off < seg_bytes; off += 64)
-              __builtin_prefetch(vb + (t0 + t) * row_bytes + h * seg_bytes + off, 0, 2);
+          for (int64_t t = 0; t < cnt; ++t) prefetch_l2(vb + (t0 + t) * row_bytes + h * seg_bytes, seg_bytes);
         }
         for (int64_t gg = 0; gg < G; ++gg) {
           const float* qh = q + (h * G + gg) * D;
@@ -268,9 +270,7 @@ void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, in
           for (int i = 0; i < DV; ++i) ac[gg][i] = _mm512_loadu_ps(acc + (h * G + g0 + gg) * D + 16 * i);
         for (int64_t t = t0; t < t1; ++t) {
           if (next && g0 == 0) prefetch_bytes(next + t * row_bytes + h * seg_bytes, seg_bytes);
-          if (next_k && g0 == 0)
-            for (int64_t off = 0; off < seg_bytes; off += 64)
-              __builtin_prefetch(next_k + t * row_bytes + h * seg_bytes + off, 0, 2);
+          if (next_k && g0 == 0) prefetch_l2(next_k + t * row_bytes + h * seg_bytes, seg_bytes);
           const T* vr = base + t * g.tok_stride + h * D;
           __m512 v[DV];
           for (int i = 0; i < DV; ++i) v[i] = load16(vr + 16 * i);
