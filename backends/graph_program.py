@@ -8,7 +8,9 @@ calls the node's operator through the c10 dispatcher with a boxed stack of slot 
 constants, arguments normalised against the schema at build time (keyword-only ones and
 defaults included); ``operator.getitem`` of multi-output ops and integer arithmetic on sizes
 are instructions too; each slot is dropped after its last reader, as the Python plan frees
-intermediates. A step is then one call that runs with the GIL released. Semantics are the
+intermediates. A step is then one call that runs with the GIL released. An operator's error keeps its
+type and says which node raised it (``... (in graph node supertask3/view_default (aten::view))``,
+supertasks numbered in execution order). Semantics are the
 graph's: the same operators, in the same order, on the same values (kernels registered in
 Python still run; the dispatcher takes the GIL for them).
 

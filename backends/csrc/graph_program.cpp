@@ -227,7 +227,12 @@ class GraphProgram {
         case Instr::kOp: {
           stack.clear();
           for (const ArgSpec& a : ins.args) push_arg(a, slots, stack);
-          ins.op->callBoxed(stack);
+          try {
+            ins.op->callBoxed(stack);
+          } catch (c10::Error& e) {  // keeps its type (ValueError, IndexError...); names the graph node
+            e.add_context("in graph node " + ins.label + " (" + ins.op->schema().operator_name().name + ")");
+            throw;
+          }
           for (size_t r = 0; r < ins.outs.size(); ++r)
             if (ins.outs[r] >= 0) slots[ins.outs[r]] = std::move(stack[r]);
           break;

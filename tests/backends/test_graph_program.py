@@ -132,8 +132,9 @@ def test_a_chain_of_supertasks_passes_values_through_named_slots():
 def test_operator_errors_reach_the_caller():
     gm = _graph(lambda g: g.call_function(aten.view.default, (g.placeholder("x"), [7, -1])))
     prog = _program(gm, 1)
-    with pytest.raises(RuntimeError, match="invalid for input of size"):
+    with pytest.raises(RuntimeError, match="invalid for input of size") as err:
         prog.run([torch.zeros(4, 3)])
+    assert "in graph node supertask0/view" in str(err.value)  # which node of which supertask failed
     with pytest.raises(ValueError, match="expected 1 input tensors, got 2"):
         prog.run([torch.zeros(1), torch.zeros(1)])
 
