@@ -4,8 +4,9 @@ Each unique dfg blob (an ``onnx.ModelProto`` from :func:`fxcompiler.dfg.fx_to_on
 turned back into an fx GraphModule once (:func:`fxcompiler.dfg.onnx_to_fx`: every ONNX node
 becomes the torch op it names), with its constants on the target device; the pipeline is
 then run by the fx executor (:class:`backends.fx.FxExecutable`, through the fx factory of the
-device kind), so a step costs the same as with fx supertasks: one Python call into the graph
-code per supertask.
+device kind), so a step costs the same as with fx supertasks (on CPU one native program for the
+whole plan, :mod:`backends.graph_program`; elsewhere one Python call into the graph code per
+supertask).
 """
 from __future__ import annotations
 

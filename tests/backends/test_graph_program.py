@@ -181,6 +181,16 @@ def test_llm_pipelines_run_natively_and_match_the_python_plan(arch, tiny_models)
         assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
 
 
+def test_dfg_pipelines_run_natively(tiny_models):
+    """dfg supertasks are converted back to fx graphs for the fx executor: those run natively too."""
+    from fxcompiler import LLM
+
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", max_seq_len_to_capture=64, cache_dir=None,
+              comp_supertask_kind="dfg")
+    exe = next(iter(llm.engine.runner.executables.values()))
+    assert exe.supertask_kind == "dfg" and exe.executor == "native", exe.fallback_reason
+
+
 def test_native_executor_can_be_switched_off(tiny_models, monkeypatch):
     monkeypatch.setenv("FXCOMPILER_NATIVE_EXECUTOR", "0")
     llm = _tiny_pipeline(tiny_models)
