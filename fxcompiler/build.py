@@ -263,6 +263,10 @@ def start_engine(geometry: ModelGeometry, result: BuildResult, *, prefill_bucket
     from runtime.model_runner import ModelRunner
     from runtime.scheduler import Scheduler
 
+    if device.type == "cpu":
+        from backends.cpu.huge_pages import place_in_huge_pages
+
+        place_in_huge_pages(result.params)  # the weights every decode step streams: 2 MiB pages, fewer TLB misses
     by_bucket: dict[Bucket, Pipeline] = {p.bucket: p for p in result.pipelines}
     compiled: dict[str, Any] = {}
     executables = {}

@@ -1,0 +1,74 @@
+"""Parameters copied into a huge-page mapping keep their values, shapes, dtypes and ties."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends.cpu import huge_pages
+
+
+def _huge_bytes_at(address: int) -> int:
+    """AnonHugePages (bytes) of the mapping of this process that contains ``address``."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and line.startswith("AnonHugePages:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def _params():
+    big = torch.randn(1024, 1024)                       # 4 MiB fp32
+    return {
+        "w": big,
+        "tied": big,                                    # the same tensor under two names
+        "bf16": torch.randn(2048, 600).to(torch.bfloat16),
+        "small": torch.randn(16),
+        "strided": torch.randn(1024, 600).t(),          # not contiguous: stays where it is
+    }
+
+
+def test_moves_large_contiguous_tensors_keeping_values_and_ties():
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this kernel (or FXCOMPILER_HUGE_PAGES=0)")
+    params = _params()
+    before = {k: v.clone() for k, v in params.items()}
+    kept = {k: params[k] for k in ("small", "strided")}
+    moved = huge_pages.place_in_huge_pages(params)
+    assert moved == (4 << 20) + 2048 * 600 * 2  # each once (the tie too), both multiples of 4 KiB
+    for k, v in params.items():
+        assert v.dtype == before[k].dtype and v.shape == before[k].shape and v.stride() == before[k].stride()
+        assert torch.equal(v, before[k]), k
+    assert params["w"] is params["tied"]
+    assert params["small"] is kept["small"] and params["strided"] is kept["strided"]
+    assert params["w"].data_ptr() % 4096 == 0 and params["bf16"].data_ptr() % 4096 == 0
+    # Writable, independent memory: the originals are not aliased.
+    params["w"][0, 0] = 123.0
+    assert before["w"][0, 0] != 123.0
+
+
+def test_the_kernel_backs_the_mapping_with_huge_pages():
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this kernel (or FXCOMPILER_HUGE_PAGES=0)")
+    params = {"w": torch.randn(8 << 20 >> 2)}          # 8 MiB: at least three whole 2 MiB pages
+    huge_pages.place_in_huge_pages(params)
+    assert _huge_bytes_at(params["w"].data_ptr()) >= 2 << 20
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("FXCOMPILER_HUGE_PAGES", "0")
+    params = _params()
+    same = dict(params)
+    assert huge_pages.place_in_huge_pages(params) == 0
+    assert all(params[k] is same[k] for k in params)
+
+
+def test_nothing_large_enough_moves_nothing():
+    params = {"a": torch.randn(10), "b": torch.randn(100, 100)}
+    same = dict(params)
+    assert huge_pages.place_in_huge_pages(params) == 0
+    assert all(params[k] is same[k] for k in params)
