@@ -287,6 +287,8 @@ void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, in
 }
 #endif
 
+constexpr int64_t kMinShareTokens = 64;  // shortest context share worth a thread of its own
+
 template <typename scalar_t>
 void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_table, const torch::Tensor& query_pos, const torch::Tensor& seq_lens,
@@ -319,7 +321,11 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
   }
   // Shares: thread t takes tokens [cut[t], cut[t+1]) of the concatenation, cuts moved to a block
   // boundary of the row they fall in (or to the row's end when the row is short).
-  const int64_t T = at::in_parallel_region() ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), R));
+  // One share per thread, but not more shares than rows unless the context is long enough to be cut
+  // (a single decode row of >= 2 * kMinShareTokens tokens is split too: batch 1 uses both cores).
+  const int64_t shares_wanted = std::max<int64_t>(R, total / kMinShareTokens);
+  const int64_t T =
+      at::in_parallel_region() ? 1 : std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), shares_wanted));
   std::vector<std::vector<Piece>> shares(T);
   int64_t nparts = 0;
   {

@@ -84,11 +84,12 @@ def test_decode_kernel_uneven_and_long_contexts(lens, kv_heads, group, head_dim,
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_decode_kernel_splits_rows_between_threads(threads, dtype):
-    """One long row (split into pieces per thread), several rows with a cut inside one, a row of length 1."""
+    """One long row and one just long enough to be cut (batch 1: split into pieces per thread), several rows
+    with a cut inside one, a row of length 1."""
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        for i, lens in enumerate(([1000], [300, 17, 1, 650], [1, 1, 1], [64, 64, 64, 64, 64])):
+        for i, lens in enumerate(([1000], [130], [300, 17, 1, 650], [1, 1, 1], [64, 64, 64, 64, 64])):
             _check_decode(_decode_case(lens, 3, 3, 64, 16, dtype, i), 0.125, dtype)
             _check_decode(_decode_case(lens, 2, 4, 128, 16, dtype, i, tokens=min(3, min(lens))), 0.09, dtype,
                           window=200)
