@@ -111,14 +111,18 @@ def extern_ops(device: torch.device | str = "cpu") -> tuple[str, ...]:
     return EXTERN_OPS.get(torch.device(device).type, ())
 
 
-def _references() -> dict[Any, Any]:
+def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
     import fxcompiler.ops  # noqa: F401  (registers the fxc namespace)
 
     fused = importlib.import_module("fxcompiler.ops.fused")
     pa = importlib.import_module("fxcompiler.ops.paged_attention")
     lin = importlib.import_module("fxcompiler.ops.linear")
     ops = torch.ops.fxc
+    # The fused q/k/v attention becomes ATen head views + the rope reference (Inductor fuses them
+    # with their neighbours) around the attention op, kept or itself rewritten like a lone one.
     return {
+        ops.qkv_paged_attention.default: (_qkv_attention_calling_the_op if "paged_attention" in keep
+                                          else _qkv_attention_aten),
         ops.paged_attention.default: pa.paged_attention_reference,
         ops.rms_norm.default: fused.rms_norm_reference,
         ops.silu_mul.default: fused.silu_mul_reference,
@@ -128,12 +132,30 @@ def _references() -> dict[Any, Any]:
     }
 
 
+def _qkv_attention_calling_the_op(qkv, cos, sin, *args):
+    """``fxc::qkv_paged_attention`` as ATen head views and rope around a kept ``fxc::paged_attention``."""
+    from .ops.fused import rope_reference
+    from .ops.paged_attention import qkv_paged_attention_reference
+
+    return qkv_paged_attention_reference(qkv, cos, sin, *args, rope=rope_reference,
+                                         attention=torch.ops.fxc.paged_attention.default)
+
+
+def _qkv_attention_aten(qkv, cos, sin, *args):
+    """``fxc::qkv_paged_attention`` in ATen ops only (the rope and attention references)."""
+    from .ops.fused import rope_reference
+    from .ops.paged_attention import paged_attention_reference, qkv_paged_attention_reference
+
+    return qkv_paged_attention_reference(qkv, cos, sin, *args, rope=rope_reference,
+                                         attention=paged_attention_reference)
+
+
 def aten_graph_module(gm: torch.fx.GraphModule, keep: tuple[str, ...] | frozenset[str] = ()) -> torch.fx.GraphModule:
     """A copy of ``gm`` whose ``fxc::*`` nodes call their ATen references (Python functions
     that export traces to ATen ops), except the ops named in ``keep`` (e.g. ``"linear"``),
     which stay calls into the op. Raises ``EdfCompileError`` for an fxc op that is neither
     kept nor has a reference."""
-    refs = _references()
+    refs = _references(keep)
     graph = copy.deepcopy(gm.graph)
     for node in graph.nodes:
         if node.op != "call_function":

@@ -353,7 +353,8 @@ class PassManager:
 
 DEFAULT_PASSES = ("decompose", "strip_asserts", "fold_casts", "dce", "cse", "fuse_rms_norm", "fuse_silu_mul",
                   "fuse_rope", "auto_bfloat16_cast", "weight_layout", "logits_slice", "fuse_projections",
-                  "lower_cpu_kernels", "dce", "constants")
+                  "lower_cpu_kernels", "dce", "fuse_qkv_attention", "dce",
+                  "constants")
 
 
 # compiler_config_overrides keys (docs/writing-a-pass.md); the rest of the dict reaches passes as ctx.options

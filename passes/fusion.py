@@ -11,6 +11,13 @@
   three small ones. Views of one tensor to the same shape count as the same activation
   (each linear that ``decompose(model_rewrite=True)`` splits makes its own ``view``).
 
+* ``fuse_qkv_attention``: the heads of a fused q/k/v projection (``split_with_sizes`` → ``view`` →
+  ``permute``), the rotary embedding of q and k (``fxc::rope``), ``fxc::paged_attention`` and the
+  ``[B, S, Hq·D]`` view of its result become one ``fxc::qkv_paged_attention`` (the ~15 nodes a layer
+  that a decode step otherwise dispatches one by one). Runs after ``fuse_projections`` (which makes the
+  split) and a ``dce`` (the nodes of the chain must have no users but the next link);
+  projections with separate bias adds between the split and the views are left alone.
+
 Requires: ``weight_layout`` has run (for ``fuse_projections``); ``meta["val"]`` on nodes.
 Ensures: the same function up to fp accumulation order. Signature: ``fuse_projections``
 replaces each group's weights by one concatenated parameter input.
@@ -216,3 +223,107 @@ class FuseProjectionsPass:
             fused += 1
         dropped = ctx.drop_unused_params(gm)
         return PassResult(gm, fused > 0, {"fused_groups": fused, "dropped_params": dropped})
+
+
+_HEAD_VIEWS = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+
+
+def _is_view(node) -> bool:
+    return isinstance(node, Node) and node.op == "call_function" and node.target in _HEAD_VIEWS
+
+
+def _heads_of(node, split: Node | None):
+    """``(split, index, heads_view)`` if ``node`` is ``permute(view(...view(getitem(split_with_sizes(X), i))),
+    [0, 2, 1, 3])`` with ``heads_view`` the last view, to ``[B, S, H, D]`` (each link used once; ``split`` the
+    one given unless None), else None."""
+    if not _is(node, aten.permute.default) or list(node.args[1]) != [0, 2, 1, 3] or len(node.users) != 1:
+        return None
+    views, item = [], node.args[0]
+    while _is_view(item) and len(item.users) == 1:
+        views.append(item)
+        item = item.args[0]
+    if not views or not _is(item, operator.getitem) or len(item.users) != 1:
+        return None
+    sp, index = item.args
+    if not _is(sp, aten.split_with_sizes.default) or (split is not None and sp is not split):
+        return None
+    vv = _val(views[0])
+    if not isinstance(vv, torch.Tensor) or vv.dim() != 4 or len(views[0].args[1]) != 4:
+        return None
+    return sp, index, views[0]
+
+
+@register_pass("fuse_qkv_attention")
+class FuseQkvAttentionPass:
+    """``split(qkv) → view/permute → rope → paged_attention → reshape`` becomes one ``fxc::qkv_paged_attention``."""
+
+    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
+        import fxcompiler.ops.paged_attention  # noqa: F401  (defines fxc::qkv_paged_attention)
+
+        graph, fused = gm.graph, 0
+        for pa in [n for n in graph.nodes if _is(n, torch.ops.fxc.paged_attention.default)]:
+            match = self._match(pa)
+            if match is None:
+                continue
+            out, split, ropes, cos, sin, hq, hkv, batch_seq, rest = match
+            qkv = split.args[0]
+            if _val(qkv).dim() == 2:  # [B*S, W] (decomposed linears): view it as [B, S, W] first
+                with graph.inserting_before(out):
+                    qkv_3d = graph.call_function(aten.view.default, (qkv, [*batch_seq, _val(qkv).shape[-1]]))
+                ov = _val(out)
+                qkv_3d.meta["val"] = ov.new_empty((ov.shape[0], ov.shape[1], _val(qkv).shape[-1]))
+                qkv = qkv_3d
+            _replace_with_call(graph, out, torch.ops.fxc.qkv_paged_attention.default,
+                               (qkv, cos, sin, *pa.args[3:9], hq, hkv, *rest))
+            for n in [out, pa, *ropes, *(n for a in pa.args[:3] for n in self._chain(a))]:
+                graph.erase_node(n)
+            if not split.users:
+                graph.erase_node(split)
+            fused += 1
+        return PassResult(gm, fused > 0, {"fused": fused})
+
+    @staticmethod
+    def _chain(node: Node) -> list[Node]:
+        """The permute, view and getitem nodes that feed one attention input (past its rope), users first."""
+        chain = []
+        if _is(node, torch.ops.fxc.rope.default):
+            node = node.args[0]  # the rope node itself is erased with the ropes
+        while not _is(node, aten.split_with_sizes.default):
+            chain.append(node)
+            node = node.args[0]
+        return chain
+
+    @staticmethod
+    def _match(pa: Node):
+        if pa.kwargs or len(pa.args) < 10 or len(pa.users) != 1:
+            return None
+        out = next(iter(pa.users))
+        if not _is_view(out):
+            return None
+        q, k, v = pa.args[:3]
+        ropes, cos, sin = [], None, None
+        if _is(q, torch.ops.fxc.rope.default) or _is(k, torch.ops.fxc.rope.default):
+            if not (_is(q, torch.ops.fxc.rope.default) and _is(k, torch.ops.fxc.rope.default)) \
+                    or q.args[1:] != k.args[1:] or len(q.users) != 1 or len(k.users) != 1:
+                return None
+            ropes, (cos, sin) = [q, k], q.args[1:]
+            q, k = q.args[0], k.args[0]
+        q_heads = _heads_of(q, None)
+        if q_heads is None:
+            return None
+        split = q_heads[0]
+        k_heads, v_heads = _heads_of(k, split), _heads_of(v, split)
+        if k_heads is None or v_heads is None or [q_heads[1], k_heads[1], v_heads[1]] != [0, 1, 2]:
+            return None
+        # the head views are [B, S, H, D]
+        (_, _, hq, d), (_, _, hkv, _), (_, _, hv, _) = (_val(h[2]).shape for h in (q_heads, k_heads, v_heads))
+        xv, ov = _val(split.args[0]), _val(out)
+        if not isinstance(xv, torch.Tensor) or xv.dim() not in (2, 3) or not isinstance(ov, torch.Tensor) \
+                or ov.dim() != 3 or hv != hkv:
+            return None
+        split_dim = split.args[2] if len(split.args) > 2 else 0
+        if split_dim not in (-1, xv.dim() - 1) or list(split.args[1]) != [hq * d, hkv * d, hkv * d] \
+                or len(split.users) != 3 or ov.shape[-1] != hq * d:
+            return None
+        batch_seq = list(q_heads[2].args[1][:2])  # the B, S sizes (ints or SymInt nodes) of the head views
+        return out, split, ropes, cos, sin, int(hq), int(hkv), batch_seq, tuple(pa.args[9:])

@@ -13,12 +13,21 @@ Shapes: query ``[B, Hq, S, D]``, key/value ``[B, Hkv, S, D]`` (what transformers
 attention interface hands over), block_table ``[B, MB]``, slot_mapping/query_pos
 ``[B, S]``, seq_lens ``[B]``; returns ``[B, S, Hq, D]`` (what transformers expects back).
 GQA is a grouped matmul: K/V are never repeated per query head.
+
+`fxc::qkv_paged_attention` is the same attention as one node over the fused q/k/v projection
+``qkv [B, S, (Hq + 2 Hkv) D]``: the split into heads, the rotary embedding of q and k
+(``fxc::rope`` with the given cos/sin, when given) and the ``[B, S, Hq D]`` result view, which
+otherwise take ~15 graph nodes a layer (``passes/fusion.py`` ``fuse_qkv_attention`` makes it).
+Its reference is exactly that op sequence, so fused and unfused graphs compute the same values.
 """
 from __future__ import annotations
 
 import torch
 
-__all__ = ["paged_attention", "paged_attention_reference"]
+from . import fused  # noqa: F401  (fxc::rope, which qkv_paged_attention applies)
+
+__all__ = ["paged_attention", "paged_attention_reference", "qkv_paged_attention",
+           "qkv_paged_attention_reference", "split_qkv_heads"]
 
 
 def paged_attention_reference(
@@ -109,3 +118,54 @@ def _fake(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_
 
 
 paged_attention = torch.ops.fxc.paged_attention.default
+
+
+def split_qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
+    """Views ``q [B, Hq, S, D]``, ``k`` and ``v [B, Hkv, S, D]`` of a fused projection ``qkv [B, S, (Hq + 2 Hkv) D]``."""
+    if qkv.dim() != 3:
+        raise ValueError(f"qkv_paged_attention: qkv must be [B, S, (num_heads + 2 * num_kv_heads) * head_dim], "
+                         f"got shape {tuple(qkv.shape)}")
+    B, S, W = qkv.shape
+    heads = num_heads + 2 * num_kv_heads
+    if num_heads < 1 or num_kv_heads < 1 or W % heads:
+        raise ValueError(f"qkv_paged_attention: qkv's last dim {W} is not (num_heads + 2 * num_kv_heads) * head_dim "
+                         f"for num_heads={num_heads}, num_kv_heads={num_kv_heads}")
+    D = W // heads
+    q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], -1)
+    return (q.view(B, S, num_heads, D).permute(0, 2, 1, 3), k.view(B, S, num_kv_heads, D).permute(0, 2, 1, 3),
+            v.view(B, S, num_kv_heads, D).permute(0, 2, 1, 3))
+
+
+def qkv_paged_attention_reference(qkv, cos, sin, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
+                                  num_heads: int, num_kv_heads: int, scale: float, sliding_window: int = -1,
+                                  softcap: float = 0.0, *, rope=None, attention=None) -> torch.Tensor:
+    """Split ``qkv`` into heads, rotate q and k (``cos``/``sin`` given), attend, ``[B, S, Hq * D]``.
+
+    ``rope`` / ``attention`` default to the ``fxc`` ops (so each runs its device kernel);
+    ``fxcompiler.edf`` passes ATen references where a package must not call them."""
+    if (cos is None) != (sin is None):
+        raise ValueError("qkv_paged_attention: give both cos and sin, or neither")
+    q, k, v = split_qkv_heads(qkv, num_heads, num_kv_heads)
+    if cos is not None:
+        rope = rope or torch.ops.fxc.rope.default
+        q, k = rope(q, cos, sin), rope(k, cos, sin)
+    attention = attention or torch.ops.fxc.paged_attention.default
+    out = attention(q, k, v, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens, scale,
+                    sliding_window, softcap)
+    return out.reshape(qkv.shape[0], qkv.shape[1], -1)
+
+
+_lib.define("qkv_paged_attention(Tensor qkv, Tensor? cos, Tensor? sin, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+            "Tensor block_table, Tensor slot_mapping, Tensor query_pos, Tensor seq_lens, int num_heads, "
+            "int num_kv_heads, float scale, int sliding_window=-1, float softcap=0.0) -> Tensor")
+_lib.impl("qkv_paged_attention", qkv_paged_attention_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fxc::qkv_paged_attention", lib=_lib)
+def _qkv_fake(qkv, cos, sin, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens, num_heads,
+              num_kv_heads, scale, sliding_window=-1, softcap=0.0):
+    q, _, _ = split_qkv_heads(qkv, num_heads, num_kv_heads)
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * q.shape[-1])
+
+
+qkv_paged_attention = torch.ops.fxc.qkv_paged_attention.default

@@ -22,6 +22,14 @@
 #include <tuple>
 #include <vector>
 
+// The fused elementwise kernels (fused_ops.cpp), registered below with the attention kernel.
+torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor fxc_silu_mul_cpu(torch::Tensor gate, torch::Tensor up);
+torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+std::tuple<torch::Tensor, torch::Tensor> fxc_greedy_logprob_cpu(torch::Tensor logits);
+torch::Tensor fxc_aten_row_sums(torch::Tensor x, int64_t lanes);
+extern int g_aten_sum_lanes;
+
 namespace {
 
 using fxc::Acc;
@@ -528,16 +536,39 @@ torch::Tensor paged_attention_op(torch::Tensor query, torch::Tensor key, torch::
   return attend_aten(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap);
 }
 
+// fxc::qkv_paged_attention on CPU: the same kernels as the unfused graph (views of the fused projection,
+// fxc::rope on q and k, fxc::paged_attention, the [B, S, Hq D] view) in one dispatcher call.
+torch::Tensor qkv_paged_attention_op(torch::Tensor qkv, const std::optional<torch::Tensor>& cos,
+                                     const std::optional<torch::Tensor>& sin, torch::Tensor k_cache,
+                                     torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
+                                     torch::Tensor query_pos, torch::Tensor seq_lens, int64_t num_heads,
+                                     int64_t num_kv_heads, double scale, int64_t sliding_window, double softcap) {
+  TORCH_CHECK(qkv.dim() == 3, "fxc::qkv_paged_attention: qkv must be [B, S, (num_heads + 2 * num_kv_heads) * "
+              "head_dim], got ", qkv.sizes());
+  const int64_t B = qkv.size(0), S = qkv.size(1), W = qkv.size(2), heads = num_heads + 2 * num_kv_heads;
+  TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && W % heads == 0, "fxc::qkv_paged_attention: qkv's last dim ", W,
+              " is not (num_heads + 2 * num_kv_heads) * head_dim for num_heads=", num_heads, ", num_kv_heads=",
+              num_kv_heads);
+  TORCH_CHECK(cos.has_value() == sin.has_value(), "fxc::qkv_paged_attention: give both cos and sin, or neither");
+  const int64_t D = W / heads;
+  auto heads_of = [&](int64_t start, int64_t h) {
+    return qkv.narrow(2, start, h * D).view({B, S, h, D}).permute({0, 2, 1, 3});
+  };
+  auto q = heads_of(0, num_heads);
+  auto k = heads_of(num_heads * D, num_kv_heads);
+  auto v = heads_of((num_heads + num_kv_heads) * D, num_kv_heads);
+  if (cos.has_value()) {
+    q = fxc_rope_cpu(q, *cos, *sin);
+    k = fxc_rope_cpu(k, *cos, *sin);
+  }
+  return paged_attention_op(q, k, v, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens, scale,
+                            sliding_window, softcap)
+      .view({B, S, num_heads * D});
+}
+
 std::unique_ptr<torch::Library> g_cpu_impls;  // lives as long as the process: the registrations stay
 
 }  // namespace
-
-torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps);  // fused_ops.cpp
-torch::Tensor fxc_silu_mul_cpu(torch::Tensor gate, torch::Tensor up);                // fused_ops.cpp
-torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);    // fused_ops.cpp
-std::tuple<torch::Tensor, torch::Tensor> fxc_greedy_logprob_cpu(torch::Tensor logits);  // fused_ops.cpp
-torch::Tensor fxc_aten_row_sums(torch::Tensor x, int64_t lanes);                        // fused_ops.cpp
-extern int g_aten_sum_lanes;                                                            // fused_ops.cpp
 
 // Registers the kernels as the CPU implementations of the fxc ops (in C++, so a call goes
 // dispatcher -> kernel with no Python in between).  Called once by backends/cpu/attention.install();
@@ -549,6 +580,7 @@ void register_cpu_kernels(int64_t aten_sum_lanes) {
   g_cpu_impls = std::make_unique<torch::Library>(torch::Library::IMPL, "fxc", c10::DispatchKey::CPU, __FILE__,
                                                  __LINE__);
   g_cpu_impls->impl("paged_attention", TORCH_FN(paged_attention_op));
+  g_cpu_impls->impl("qkv_paged_attention", TORCH_FN(qkv_paged_attention_op));
   g_cpu_impls->impl("rms_norm", TORCH_FN(fxc_rms_norm_cpu));
   g_cpu_impls->impl("silu_mul", TORCH_FN(fxc_silu_mul_cpu));
   g_cpu_impls->impl("rope", TORCH_FN(fxc_rope_cpu));
@@ -562,6 +594,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "software prefetch of the KV blocks: mode (0 none, 1 T0, 2 T1, 3 NTA), distance in blocks, extra L2 "
         "streams (0 none, 1 V during K, 2 also the next piece's K during V) (measurements)",
         py::arg("mode"), py::arg("dist"), py::arg("l2_streams") = 2);
+  m.def("qkv_paged_attention", &qkv_paged_attention_op, "fxc::qkv_paged_attention on CPU");
   m.def("write_cache", &write_cache_cpu, "write K/V rows [B, Hkv, S, D] into cache slots [B, S]");
   m.def("rms_norm", &fxc_rms_norm_cpu, "fxc::rms_norm CPU kernel");
   m.def("silu_mul", &fxc_silu_mul_cpu, "fxc::silu_mul CPU kernel");

@@ -145,3 +145,59 @@ def test_rope_kernel_rejects_cos_that_does_not_broadcast():
     x = torch.randn(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="does not broadcast"):
         torch.ops.fxc.rope(x, torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8))
+
+
+def _rope_tables(batch, tokens, head_dim, pos, dtype):
+    inv = 1.0 / (10000 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    ang = pos.to(torch.float32).unsqueeze(-1) * inv
+    emb = torch.cat([ang, ang], -1)
+    return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)  # [B, 1, S, D]
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
+       head_dim=st.sampled_from([16, 64]), ctx=st.integers(0, 150), tokens=st.integers(1, 7),
+       rope=st.booleans(), window=st.sampled_from([-1, 24]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_qkv_kernel_equals_the_unfused_ops(batch, kv_heads, group, head_dim, ctx, tokens, rope, window, dtype, seed):
+    """fxc::qkv_paged_attention on CPU (decode kernel for <= 4 tokens, SDPA beyond) computes exactly what the
+    graph it replaces computes (head views of the fused projection, fxc::rope, fxc::paged_attention, view),
+    writes the same cache rows, and stays within tolerance of the pure-ATen references."""
+    from fxcompiler.ops.fused import rope_reference
+    from fxcompiler.ops.paged_attention import qkv_paged_attention_reference, split_qkv_heads
+
+    hq = kv_heads * group
+    lens = [max(tokens, ctx + tokens - i % 2) for i in range(batch)]  # rows of different lengths
+    _, _, _, k_cache, v_cache, table, slots, pos, lens = _decode_case(lens, kv_heads, group, head_dim, 16, dtype,
+                                                                      seed, tokens=tokens)
+    g = torch.Generator().manual_seed(seed + 1)
+    qkv = torch.randn(batch, tokens, (hq + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    cos, sin = _rope_tables(batch, tokens, head_dim, pos, dtype) if rope else (None, None)
+    scale = head_dim ** -0.5
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
+    fused = torch.ops.fxc.qkv_paged_attention(qkv, cos, sin, *caches[0], table, slots, pos, lens, hq, kv_heads, scale,
+                                              window)
+    q, k, v = split_qkv_heads(qkv, hq, kv_heads)
+    if rope:
+        q, k = torch.ops.fxc.rope(q, cos, sin), torch.ops.fxc.rope(k, cos, sin)
+    unfused = torch.ops.fxc.paged_attention(q, k, v, *caches[1], table, slots, pos, lens, scale, window)
+    assert fused.shape == (batch, tokens, hq * head_dim)
+    assert torch.equal(fused, unfused.reshape(batch, tokens, -1))
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    ref = qkv_paged_attention_reference(qkv, cos, sin, *caches[2], table, slots, pos, lens, hq, kv_heads, scale,
+                                        window, rope=rope_reference, attention=paged_attention_reference)
+    torch.testing.assert_close(fused.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
+    torch.testing.assert_close(caches[0][0].float(), caches[2][0].float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+def test_qkv_kernel_rejects_bad_arguments():
+    k_cache = torch.zeros(4, 16, 2, 8)
+    args = (k_cache, k_cache.clone(), torch.ones(1, 1, dtype=torch.int64), torch.full((1, 1), 16),
+            torch.zeros(1, 1, dtype=torch.int64), torch.ones(1, dtype=torch.int64))
+    op = torch.ops.fxc.qkv_paged_attention
+    with pytest.raises(RuntimeError, match="qkv must be"):
+        op(torch.zeros(1, 64), None, None, *args, 4, 2, 0.3)
+    with pytest.raises(RuntimeError, match="last dim 60 is not"):
+        op(torch.zeros(1, 1, 60), None, None, *args, 4, 2, 0.3)
+    with pytest.raises(RuntimeError, match="both cos and sin"):
+        op(torch.zeros(1, 1, 64), torch.ones(1, 1, 1, 8), None, *args, 4, 2, 0.3)
