@@ -551,8 +551,12 @@ torch::Tensor qkv_paged_attention_op(torch::Tensor qkv, const std::optional<torc
               num_kv_heads);
   TORCH_CHECK(cos.has_value() == sin.has_value(), "fxc::qkv_paged_attention: give both cos and sin, or neither");
   const int64_t D = W / heads;
+  // [B, h, S, D] views of the projection's columns [start, start + h D): one as_strided each (the graph's
+  // narrow -> view -> permute chain makes the same view in three dispatcher calls).
+  const bool unit = qkv.stride(2) == 1;
   auto heads_of = [&](int64_t start, int64_t h) {
-    return qkv.narrow(2, start, h * D).view({B, S, h, D}).permute({0, 2, 1, 3});
+    if (!unit) return qkv.narrow(2, start, h * D).view({B, S, h, D}).permute({0, 2, 1, 3});
+    return qkv.as_strided({B, h, S, D}, {qkv.stride(0), D, qkv.stride(1), 1}, qkv.storage_offset() + start);
   };
   auto q = heads_of(0, num_heads);
   auto k = heads_of(num_heads * D, num_kv_heads);

@@ -157,9 +157,10 @@ def _rope_tables(batch, tokens, head_dim, pos, dtype):
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 3), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 3]),
        head_dim=st.sampled_from([16, 64]), ctx=st.integers(0, 150), tokens=st.integers(1, 7),
-       rope=st.booleans(), window=st.sampled_from([-1, 24]),
+       rope=st.booleans(), window=st.sampled_from([-1, 24]), layout=st.sampled_from(["dense", "wide", "columns"]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
-def test_qkv_kernel_equals_the_unfused_ops(batch, kv_heads, group, head_dim, ctx, tokens, rope, window, dtype, seed):
+def test_qkv_kernel_equals_the_unfused_ops(batch, kv_heads, group, head_dim, ctx, tokens, rope, window, layout, dtype,
+                                           seed):
     """fxc::qkv_paged_attention on CPU (decode kernel for <= 4 tokens, SDPA beyond) computes exactly what the
     graph it replaces computes (head views of the fused projection, fxc::rope, fxc::paged_attention, view),
     writes the same cache rows, and stays within tolerance of the pure-ATen references."""
@@ -171,7 +172,13 @@ def test_qkv_kernel_equals_the_unfused_ops(batch, kv_heads, group, head_dim, ctx
     _, _, _, k_cache, v_cache, table, slots, pos, lens = _decode_case(lens, kv_heads, group, head_dim, 16, dtype,
                                                                       seed, tokens=tokens)
     g = torch.Generator().manual_seed(seed + 1)
-    qkv = torch.randn(batch, tokens, (hq + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    width = (hq + 2 * kv_heads) * head_dim
+    if layout == "dense":
+        qkv = torch.randn(batch, tokens, width, generator=g).to(dtype)
+    elif layout == "wide":  # a column slice of a wider projection: rows strided, columns unit-stride
+        qkv = torch.randn(batch, tokens, width + 24, generator=g).to(dtype)[..., 8:8 + width]
+    else:  # columns not unit-stride: the kernel's view chain fallback
+        qkv = torch.randn(batch, width, tokens, generator=g).to(dtype).transpose(1, 2)
     cos, sin = _rope_tables(batch, tokens, head_dim, pos, dtype) if rope else (None, None)
     scale = head_dim ** -0.5
     caches = [(k_cache.clone(), v_cache.clone()) for _ in range(3)]
