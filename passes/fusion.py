@@ -15,8 +15,8 @@
   ``permute``), the rotary embedding of q and k (``fxc::rope``), ``fxc::paged_attention`` and the
   ``[B, S, Hq·D]`` view of its result become one ``fxc::qkv_paged_attention`` (the ~15 nodes a layer
   that a decode step otherwise dispatches one by one). Runs after ``fuse_projections`` (which makes the
-  split) and a ``dce`` (the nodes of the chain must have no users but the next link);
-  projections with separate bias adds between the split and the views are left alone.
+  split) and a ``dce`` (the nodes of the chain must have no users but the next link). Bias adds
+  between the split and the views (Qwen2) become one add of the concatenated biases on the projection.
 
 Requires: ``weight_layout`` has run (for ``fuse_projections``); ``meta["val"]`` on nodes.
 Ensures: the same function up to fp accumulation order. Signature: ``fuse_projections``
@@ -233,15 +233,18 @@ def _is_view(node) -> bool:
 
 
 def _heads_of(node, split: Node | None):
-    """``(split, index, heads_view)`` if ``node`` is ``permute(view(...view(getitem(split_with_sizes(X), i))),
-    [0, 2, 1, 3])`` with ``heads_view`` the last view, to ``[B, S, H, D]`` (each link used once; ``split`` the
-    one given unless None), else None."""
+    """``(split, index, heads_view, bias)`` if ``node`` is ``permute(view(...view([add(]getitem(split_with_sizes(X),
+    i)[, bias]))), [0, 2, 1, 3])`` with ``heads_view`` the last view, to ``[B, S, H, D]``, and ``bias`` the
+    second operand of the optional add (each link used once; ``split`` the one given unless None), else None."""
     if not _is(node, aten.permute.default) or list(node.args[1]) != [0, 2, 1, 3] or len(node.users) != 1:
         return None
     views, item = [], node.args[0]
     while _is_view(item) and len(item.users) == 1:
         views.append(item)
         item = item.args[0]
+    bias = None
+    if _is(item, aten.add.Tensor) and len(item.args) == 2 and not item.kwargs and len(item.users) == 1:
+        item, bias = item.args  # a projection bias added after the split (Qwen2)
     if not views or not _is(item, operator.getitem) or len(item.users) != 1:
         return None
     sp, index = item.args
@@ -250,7 +253,7 @@ def _heads_of(node, split: Node | None):
     vv = _val(views[0])
     if not isinstance(vv, torch.Tensor) or vv.dim() != 4 or len(views[0].args[1]) != 4:
         return None
-    return sp, index, views[0]
+    return sp, index, views[0], bias
 
 
 @register_pass("fuse_qkv_attention")
@@ -265,7 +268,11 @@ class FuseQkvAttentionPass:
             match = self._match(pa)
             if match is None:
                 continue
-            out, split, ropes, cos, sin, hq, hkv, batch_seq, rest = match
+            out, split, ropes, cos, sin, hq, hkv, batch_seq, rest, biases = match
+            bias_values = [ctx.param_of(b) if isinstance(b, Node) else None for b in biases]
+            if biases[0] is not None and [tuple(v.shape) if v is not None else None for v in bias_values] != [
+                    (w,) for w in split.args[1]]:
+                continue  # biases must be parameters of the heads' widths (then they become one add on the projection)
             qkv = split.args[0]
             if _val(qkv).dim() == 2:  # [B*S, W] (decomposed linears): view it as [B, S, W] first
                 with graph.inserting_before(out):
@@ -273,18 +280,29 @@ class FuseQkvAttentionPass:
                 ov = _val(out)
                 qkv_3d.meta["val"] = ov.new_empty((ov.shape[0], ov.shape[1], _val(qkv).shape[-1]))
                 qkv = qkv_3d
+            if biases[0] is not None:
+                names = [ctx.placeholder_spec(b).target for b in biases]
+                bias = ctx.add_param_input(gm, "+".join(names), torch.cat(bias_values))
+                with graph.inserting_before(out):
+                    biased = graph.call_function(aten.add.Tensor, (qkv, bias))
+                biased.meta["val"] = _val(qkv)
+                qkv = biased
             _replace_with_call(graph, out, torch.ops.fxc.qkv_paged_attention.default,
                                (qkv, cos, sin, *pa.args[3:9], hq, hkv, *rest))
             for n in [out, pa, *ropes, *(n for a in pa.args[:3] for n in self._chain(a))]:
                 graph.erase_node(n)
             if not split.users:
                 graph.erase_node(split)
+            for b in biases:
+                if b is not None:
+                    ctx.drop_param_if_unused(gm, b)
             fused += 1
         return PassResult(gm, fused > 0, {"fused": fused})
 
     @staticmethod
     def _chain(node: Node) -> list[Node]:
-        """The permute, view and getitem nodes that feed one attention input (past its rope), users first."""
+        """The permute, view, bias add and getitem nodes that feed one attention input (past its rope), users
+        first."""
         chain = []
         if _is(node, torch.ops.fxc.rope.default):
             node = node.args[0]  # the rope node itself is erased with the ropes
@@ -317,6 +335,9 @@ class FuseQkvAttentionPass:
             return None
         # the head views are [B, S, H, D]
         (_, _, hq, d), (_, _, hkv, _), (_, _, hv, _) = (_val(h[2]).shape for h in (q_heads, k_heads, v_heads))
+        biases = [h[3] for h in (q_heads, k_heads, v_heads)]
+        if any(b is None for b in biases) and any(b is not None for b in biases):
+            return None
         xv, ov = _val(split.args[0]), _val(out)
         if not isinstance(xv, torch.Tensor) or xv.dim() not in (2, 3) or not isinstance(ov, torch.Tensor) \
                 or ov.dim() != 3 or hv != hkv:
@@ -326,4 +347,4 @@ class FuseQkvAttentionPass:
                 or len(split.users) != 3 or ov.shape[-1] != hq * d:
             return None
         batch_seq = list(q_heads[2].args[1][:2])  # the B, S sizes (ints or SymInt nodes) of the head views
-        return out, split, ropes, cos, sin, int(hq), int(hkv), batch_seq, tuple(pa.args[9:])
+        return out, split, ropes, cos, sin, int(hq), int(hkv), batch_seq, tuple(pa.args[9:]), biases

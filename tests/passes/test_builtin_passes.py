@@ -110,19 +110,23 @@ def test_elementwise_fusions_fp32(cfg, bucket):
 @given(cfg=testing.model_configs(), bucket=testing.buckets())
 def test_qkv_attention_fusion_fp32(cfg, bucket):
     """After the default passes before it, every layer's split/view/permute/rope/attention/view chain becomes one
-    fxc::qkv_paged_attention with bit-identical logits and caches (qwen2's separate q/k/v bias adds keep the
-    chain apart: nothing fuses there)."""
+    fxc::qkv_paged_attention with bit-identical logits and caches (qwen2's separate q/k/v bias adds become one
+    add of the concatenated biases on the projection)."""
     program = testing.capture_tiny_model(cfg, dtype=torch.float32)
     inputs = testing.example_inputs(program, bucket)
     at = PIPELINE.index("fuse_qkv_attention")
     info = testing.assert_pass_preserves_semantics(get_pass("fuse_qkv_attention"), program, inputs, rtol=0, atol=0,
                                                    passes_before=tuple(get_pass(n) for n in PIPELINE[:at]))
-    assert info["fused"] == (0 if cfg.arch == "qwen2" else cfg.layers)
+    assert info["fused"] == cfg.layers
     gm, ctx = testing._run_passes_before(program, tuple(get_pass(n) for n in PIPELINE[:at + 2]))
     ops = _ops(gm)
-    if cfg.arch != "qwen2":
-        assert ops["fxc.qkv_paged_attention.default"] == cfg.layers
-        assert not ops["fxc.paged_attention.default"] and not ops["fxc.rope.default"]
-        assert not ops["aten.permute.default"]
-        # the only splits left are the gate/up ones of the gated MLPs (gpt2 has none)
-        assert ops["aten.split_with_sizes.default"] == (0 if cfg.arch == "gpt2" else cfg.layers)
+    assert ops["fxc.qkv_paged_attention.default"] == cfg.layers
+    assert not ops["fxc.paged_attention.default"] and not ops["fxc.rope.default"]
+    assert not ops["aten.permute.default"]
+    # the only splits left are the gate/up ones of the gated MLPs (gpt2 has none)
+    assert ops["aten.split_with_sizes.default"] == (0 if cfg.arch == "gpt2" else cfg.layers)
+    if cfg.arch == "qwen2":  # one bias add a layer, on the fused projection; the separate biases are gone
+        assert ops["aten.add.Tensor"] == _ops(testing._run_passes_before(program, tuple(
+            get_pass(n) for n in PIPELINE[:at]))[0])["aten.add.Tensor"] - 2 * cfg.layers
+        separate = [n for n in ctx.params if "+" not in n and n.endswith(("q_proj.bias", "k_proj.bias", "v_proj.bias"))]
+        assert not separate and sum("q_proj.bias+" in n for n in ctx.params) == cfg.layers
