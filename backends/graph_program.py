@@ -22,7 +22,6 @@ with one warning.
 """
 from __future__ import annotations
 
-import hashlib
 import operator
 import os
 import threading
@@ -59,18 +58,10 @@ def program_module():
 
 
 def _load():
-    from torch.utils import cpp_extension
-
     from .cpu import _build
 
     flags = ["-O2"]
-    digest = hashlib.sha256(_SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()).hexdigest()
-    name = f"fxc_graph_program_{digest[:12]}"
-    build_dir = _build.cache_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MAX_JOBS", "2")
-    return cpp_extension.load(name=name, sources=[str(_SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
-                              verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")))
+    return _build.load_extension(f"fxc_graph_program_{_build.source_digest([_SOURCE], flags)}", [_SOURCE], flags)
 
 
 class _Builder:
@@ -208,6 +199,10 @@ def compile_plan(steps: Sequence[tuple[torch.fx.GraphModule, Sequence[torch.Tens
     for i, (_, _, reads, _) in enumerate(b.code):
         for s in reads:
             last_read[s] = i
+    dies_at: dict[int, list[int]] = {}
+    for s, i in last_read.items():
+        if s not in keep:
+            dies_at.setdefault(i, []).append(s)
     prog = mod.GraphProgram(b.num_slots)
     for s, t in b.constants.items():
         prog.set_constant(s, t)
@@ -215,7 +210,7 @@ def compile_plan(steps: Sequence[tuple[torch.fx.GraphModule, Sequence[torch.Tens
     prog.set_outputs([final])
     for i, (kind, payload, _, writes) in enumerate(b.code):
         frees = sorted(s for s in set(writes) if s not in keep and s not in last_read)  # never read
-        frees += sorted(s for s, j in last_read.items() if j == i and s not in keep)
+        frees += sorted(dies_at.get(i, ()))
         if kind == "op":
             name, overload, args, outs, label = payload
             prog.add_op(name, overload, args, outs, frees, label)

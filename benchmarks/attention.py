@@ -18,7 +18,6 @@ fastest call.  2 threads (``--threads``).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import statistics
 import sys
@@ -57,19 +56,12 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 def load_module_from(src_dir: str):
     """Build ``paged_attention.cpp`` + ``fused_ops.cpp`` of another source directory (e.g. the old kernel)."""
-    from torch.utils import cpp_extension
-
     src = Path(src_dir)
     sources = [src / "paged_attention.cpp", src / "fused_ops.cpp"]
     isa = _build.detect_isa()
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"] + _build._FLAGS[isa]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in sources + [src / "simd_math.h"])
-                            + " ".join(flags).encode()).hexdigest()[:12]
-    name = f"fxc_pa_bench_{isa}_{digest}"
-    build_dir = _build.cache_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(name=name, sources=[str(p) for p in sources], extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"], build_directory=str(build_dir))
+    name = f"fxc_pa_bench_{isa}_{_build.source_digest(sources + [src / 'simd_math.h'], flags)}"
+    return _build.load_extension(name, sources, flags, extra_ldflags=["-fopenmp"])
 
 
 class Case:

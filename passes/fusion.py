@@ -43,13 +43,25 @@ def _val(node):
     return node.meta.get("val") if isinstance(node, Node) else None
 
 
+def _call_before(graph, anchor: Node, target, args: tuple, val) -> Node:
+    """Insert ``target(*args)`` before ``anchor`` with value metadata ``val``."""
+    with graph.inserting_before(anchor):
+        new = graph.call_function(target, args)
+    new.meta["val"] = val
+    return new
+
+
 def _replace_with_call(graph, old: Node, target, args: tuple) -> Node:
     """Insert ``target(*args)`` before ``old``, give it ``old``'s value metadata, reroute ``old``'s users."""
-    with graph.inserting_before(old):
-        new = graph.call_function(target, args)
-    new.meta["val"] = _val(old)
+    new = _call_before(graph, old, target, args, _val(old))
     old.replace_all_uses_with(new)
     return new
+
+
+def _concatenated_param(ctx: CompileContext, gm: GraphModule, placeholders: list[Node], dim: int) -> Node:
+    """A new parameter input: the values of ``placeholders`` concatenated along ``dim``, named ``a+b+...``."""
+    names = [ctx.placeholder_spec(p).target for p in placeholders]
+    return ctx.add_param_input(gm, "+".join(names), torch.cat([ctx.param_of(p) for p in placeholders], dim=dim))
 
 
 @register_pass("fuse_rms_norm")
@@ -199,13 +211,11 @@ class FuseProjectionsPass:
             weights = [ctx.param_of(m.args[1]) for m in mms]
             if len({(w.shape[0], w.dtype) for w in weights}) != 1:
                 continue
-            names = [ctx.placeholder_spec(m.args[1]).target for m in mms]
             sizes = [int(w.shape[1]) for w in weights]
-            cat = torch.cat(weights, dim=1)
             del weights
             first = min(mms, key=order.__getitem__)
             x = first.args[0]  # every member's activation holds the same values; the first's dominates
-            param = ctx.add_param_input(gm, "+".join(names), cat)
+            param = _concatenated_param(ctx, gm, [m.args[1] for m in mms], dim=1)
             with graph.inserting_before(first):
                 mm = graph.call_function(target, (x, param))
                 split = graph.call_function(aten.split_with_sizes.default, (mm, sizes, -1))
@@ -275,18 +285,12 @@ class FuseQkvAttentionPass:
                 continue  # biases must be parameters of the heads' widths (then they become one add on the projection)
             qkv = split.args[0]
             if _val(qkv).dim() == 2:  # [B*S, W] (decomposed linears): view it as [B, S, W] first
-                with graph.inserting_before(out):
-                    qkv_3d = graph.call_function(aten.view.default, (qkv, [*batch_seq, _val(qkv).shape[-1]]))
-                ov = _val(out)
-                qkv_3d.meta["val"] = ov.new_empty((ov.shape[0], ov.shape[1], _val(qkv).shape[-1]))
-                qkv = qkv_3d
+                ov, width = _val(out), _val(qkv).shape[-1]
+                qkv = _call_before(graph, out, aten.view.default, (qkv, [*batch_seq, width]),
+                                   ov.new_empty((ov.shape[0], ov.shape[1], width)))
             if biases[0] is not None:
-                names = [ctx.placeholder_spec(b).target for b in biases]
-                bias = ctx.add_param_input(gm, "+".join(names), torch.cat(bias_values))
-                with graph.inserting_before(out):
-                    biased = graph.call_function(aten.add.Tensor, (qkv, bias))
-                biased.meta["val"] = _val(qkv)
-                qkv = biased
+                bias = _concatenated_param(ctx, gm, biases, dim=0)
+                qkv = _call_before(graph, out, aten.add.Tensor, (qkv, bias), _val(qkv))
             _replace_with_call(graph, out, torch.ops.fxc.qkv_paged_attention.default,
                                (qkv, cos, sin, *pa.args[3:9], hq, hkv, *rest))
             for n in [out, pa, *ropes, *(n for a in pa.args[:3] for n in self._chain(a))]:

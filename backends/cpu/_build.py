@@ -99,25 +99,31 @@ def build_name(isa: str, flags: list[str]) -> str:
     return f"fxc_cpu_{isa}_{h.hexdigest()[:12]}"
 
 
-def _build_and_load(isa: str) -> str:
+def source_digest(paths, flags: list[str]) -> str:
+    """12 hex digits of the sources' bytes, the flags and the torch version: an extension's cache key."""
+    data = b"".join(Path(p).read_bytes() for p in paths) + " ".join(flags).encode() + torch.__version__.encode()
+    return hashlib.sha256(data).hexdigest()[:12]
+
+
+def load_extension(name: str, sources, flags: list[str], **kwargs):
+    """Build (once, into ``cache_dir()/name``) and load a C++ extension with ``torch.utils.cpp_extension``;
+    ``FXCOMPILER_VERBOSE_BUILD`` shows the compiler output. ``kwargs`` go to ``cpp_extension.load``."""
     from torch.utils import cpp_extension
 
-    flags = compile_flags(isa)
-    name = build_name(isa, flags)
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", "2")
+    return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
+                              build_directory=str(build_dir), verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")),
+                              **kwargs)
+
+
+def _build_and_load(isa: str) -> str:
+    flags = compile_flags(isa)
+    name = build_name(isa, flags)
     # Loads the shared library into the process (registers the CPU kernels).
-    cpp_extension.load(
-        name=name,
-        sources=[str(_CSRC / s) for s in _SOURCES],
-        extra_cflags=flags,
-        extra_ldflags=["-fopenmp"],
-        build_directory=str(build_dir),
-        is_python_module=False,
-        verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")),
-    )
-    lib_path = build_dir / f"{name}.so"
+    load_extension(name, [_CSRC / s for s in _SOURCES], flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    lib_path = cache_dir() / name / f"{name}.so"
     lib = ctypes.CDLL(str(lib_path))
     lib.fxc_kernels_isa.restype = ctypes.c_char_p
     compiled = lib.fxc_kernels_isa().decode()

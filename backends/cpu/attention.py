@@ -9,8 +9,6 @@ registers the kernels in C++ as the ops' CPU implementations, so no Python runs 
 """
 from __future__ import annotations
 
-import hashlib
-import os
 import threading
 from pathlib import Path
 
@@ -29,20 +27,12 @@ _installed = False
 
 
 def _load():
-    from torch.utils import cpp_extension
-
     isa = _build.detect_isa()
     if isa == "aten":
         raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
     flags = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off"] + _build._FLAGS[isa]
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES + _HEADERS) + " ".join(flags).encode()
-                            + torch.__version__.encode()).hexdigest()
-    name = f"fxc_paged_attention_{isa}_{digest[:12]}"
-    build_dir = _build.cache_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MAX_JOBS", "2")
-    return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                              build_directory=str(build_dir), verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")))
+    name = f"fxc_paged_attention_{isa}_{_build.source_digest(_SOURCES + _HEADERS, flags)}"
+    return _build.load_extension(name, _SOURCES, flags, extra_ldflags=["-fopenmp"])
 
 
 def kernel_module():
