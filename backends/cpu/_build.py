@@ -3,8 +3,9 @@
 The library is compiled on first use with :func:`torch.utils.cpp_extension.load`
 into ``$FXCOMPILER_CACHE_DIR/kernels/<name>`` (default
 ``~/.cache/fxcompiler/kernels/<name>``), where ``<name>`` encodes the ISA and a
-hash of the sources, the compile flags and the torch version, so a changed
-source or a different machine never reuses a stale binary.
+hash of the sources' contents, the compile flags and the torch version, so a changed
+source or a different machine never reuses a stale binary. The sources are built from
+a copy inside that folder, so two checkouts of the same code share one build.
 
 ISA selection: ``FXCOMPILER_CPU_ISA`` (``avx512`` | ``avx2`` | ``aten``) forces
 one; otherwise ``torch.backends.cpu.get_cpu_capability()`` decides (it already
@@ -15,7 +16,9 @@ build) means no C++ kernels: the ops then run their ATen fallback, and a single
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -105,17 +108,82 @@ def source_digest(paths, flags: list[str]) -> str:
     return hashlib.sha256(data).hexdigest()[:12]
 
 
+def _write_if_changed(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` atomically unless it already holds exactly those bytes."""
+    if path.exists() and path.read_bytes() == data:
+        return
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def _stage_sources(build_dir: Path, sources) -> list[Path]:
+    """Copy the sources (and every header beside them) into ``build_dir/src``: the build then names only
+    paths inside the cache, so any checkout with the same sources reuses it without rebuilding."""
+    src_dir = build_dir / "src"
+    src_dir.mkdir(exist_ok=True)
+    staged = []
+    headers = {h for s in sources for h in Path(s).parent.glob("*.h")}
+    for h in sorted(headers):
+        _write_if_changed(src_dir / h.name, h.read_bytes())
+    for s in sources:
+        s = Path(s)
+        _write_if_changed(src_dir / s.name, s.read_bytes())
+        staged.append(src_dir / s.name)
+    return staged
+
+
+def _library_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@contextlib.contextmanager
+def build_lock(build_dir: Path):
+    """An exclusive ``flock`` on ``build_dir.lock``: released by the kernel when its holder dies, so a
+    killed build never blocks the next one. Inside it, a ``lock`` file of torch's own build baton can
+    only be a leftover of a killed build and is removed (torch would wait on it forever)."""
+    lock_path = build_dir.with_name(build_dir.name + ".lock")
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            stale.unlink()
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
 def load_extension(name: str, sources, flags: list[str], **kwargs):
     """Build (once, into ``cache_dir()/name``) and load a C++ extension with ``torch.utils.cpp_extension``;
-    ``FXCOMPILER_VERBOSE_BUILD`` shows the compiler output. ``kwargs`` go to ``cpp_extension.load``."""
+    ``FXCOMPILER_VERBOSE_BUILD`` shows the compiler output. ``kwargs`` go to ``cpp_extension.load``.
+
+    ``name`` carries a digest of the sources' contents and flags (``source_digest``); the sources are
+    built from a copy inside the cache folder, so the entry is relocatable between checkouts. Builders
+    serialise on a ``flock`` that dies with its owner. The library's sha256 is recorded after a build
+    and checked before every load: a truncated or modified ``.so`` is removed and rebuilt, never loaded."""
     from torch.utils import cpp_extension
 
     build_dir = cache_dir() / name
     build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", "2")
-    return cpp_extension.load(name=name, sources=[str(s) for s in sources], extra_cflags=flags,
-                              build_directory=str(build_dir), verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")),
-                              **kwargs)
+    with build_lock(build_dir):
+        staged = _stage_sources(build_dir, sources)
+        lib = build_dir / f"{name}.so"
+        digest_file = build_dir / f"{name}.so.sha256"
+        if lib.exists() and (not digest_file.exists() or digest_file.read_text().strip() != _library_digest(lib)):
+            warnings.warn(f"fxcompiler: kernel library {lib} does not match its recorded checksum (an interrupted "
+                          "build or a modified file); rebuilding it", RuntimeWarning, stacklevel=2)
+            lib.unlink()
+            digest_file.unlink(missing_ok=True)
+            (build_dir / ".ninja_log").unlink(missing_ok=True)  # relink (and recompile) everything
+            cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)  # torch skips names it built before
+        module = cpp_extension.load(name=name, sources=[str(s) for s in staged], extra_cflags=flags,
+                                    build_directory=str(build_dir),
+                                    verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")), **kwargs)
+        _write_if_changed(digest_file, _library_digest(lib).encode())
+    return module
 
 
 def _build_and_load(isa: str) -> str:
