@@ -1,5 +1,11 @@
 """``auto_bfloat16_cast=True`` on SmolLM2-135M-Instruct (fp32 checkpoint, embedded): teacher-forced
-accuracy against transformers in bf16, weight memory, and greedy generation.
+accuracy judged against the fp32 reference, weight memory, and greedy generation.
+
+Two bf16 computations with different accumulation orders (our kernels vs transformers', AMX vs
+AVX-512-BF16 vs AVX2) disagree at near-ties, so neither is the reference for the other: both are
+compared with transformers in fp32, and ours must agree with it (top-1, teacher-forced) no worse
+than transformers' own bf16 does, less ``AGREEMENT_MARGIN``, with a perplexity within
+``PERPLEXITY_BOUND`` of fp32's. Nothing here depends on the CPU model.
 
 The fixed text is ``tests/data/python_license_history_psf.txt`` (an excerpt of CPython's
 LICENSE, see ``tests/data/README.md``), ~1,670 tokens. Our compiled bf16 graph is run
@@ -27,6 +33,8 @@ pytestmark = pytest.mark.slow
 TEXT = Path(__file__).parent / "data" / "python_license_history_psf.txt"
 CHUNK = 512  # prefill chunk (tokens); the graph reads earlier chunks from the KV cache
 DECODE_TAIL = 24  # the last tokens go one per step, through the decode kernel
+AGREEMENT_MARGIN = 0.01  # ours-bf16 vs fp32 top-1 agreement may trail transformers-bf16 vs fp32 by this much
+PERPLEXITY_BOUND = 0.01  # |ppl(bf16) / ppl(fp32) - 1|, ours (transformers' bf16 measured +0.1 %..+0.3 %)
 
 # The pass belongs in DEFAULT_PASSES (after the fusions, before weight_layout); until it is, insert it.
 BF16_OVERRIDES = {} if "auto_bfloat16_cast" in DEFAULT_PASSES else {
@@ -70,17 +78,24 @@ def compiled_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def hf_bf16(llm):
-    """transformers' model in bf16: the fp32 checkpoint ``.to(bfloat16)``, rotary tables kept fp32."""
+def hf_fp32_and_bf16(llm):
+    """transformers' model in fp32, and in bf16 as ``from_pretrained(..., dtype=torch.bfloat16)`` gives it:
+    the fp32 checkpoint ``.to(bfloat16)`` with the rotary tables kept fp32."""
     from transformers import AutoModelForCausalLM
 
     path = model_directory(resolve_model_source(DEFAULT_MODEL_ID), llm.cache_dir)
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    rotary = {m: m.inv_freq.clone() for m in hf.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
-    hf.to(torch.bfloat16)
+    fp32 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    bf16 = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    rotary = {m: m.inv_freq.clone() for m in bf16.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)}
+    bf16.to(torch.bfloat16)
     for m, inv_freq in rotary.items():
         m.inv_freq = inv_freq
-    return hf
+    return fp32, bf16
+
+
+@pytest.fixture(scope="module")
+def hf_bf16(hf_fp32_and_bf16):
+    return hf_fp32_and_bf16[1]
 
 
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
@@ -92,17 +107,24 @@ def param_bytes(params: dict[str, torch.Tensor]) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in params.values()}.values())
 
 
-def test_teacher_forced_agreement_and_perplexity(llm, hf_bf16, text_ids):
+def test_teacher_forced_agreement_and_perplexity(llm, hf_fp32_and_bf16, text_ids):
+    hf_fp32, hf_bf16 = hf_fp32_and_bf16
     ours = compiled_logits(llm, text_ids)
     with torch.inference_mode():
-        ref = hf_bf16(torch.tensor([text_ids])).logits[0].float()
-    assert ours.shape == ref.shape == (len(text_ids), llm.geometry.vocab_size)
-    agreement = (ours.argmax(-1) == ref.argmax(-1)).double().mean().item()
-    ppl_ours, ppl_ref = perplexity(ours, text_ids), perplexity(ref, text_ids)
-    print(f"\nbf16 teacher-forced over {len(text_ids)} tokens: top-1 agreement {agreement:.4f}, "
-          f"perplexity ours {ppl_ours:.4f} vs transformers bf16 {ppl_ref:.4f} ({ppl_ours / ppl_ref - 1:+.3%})")
-    assert agreement >= 0.98
-    assert abs(ppl_ours / ppl_ref - 1) <= 0.01
+        ids = torch.tensor([text_ids])
+        ref = hf_fp32(ids).logits[0].float()
+        theirs = hf_bf16(ids).logits[0].float()
+    assert ours.shape == ref.shape == theirs.shape == (len(text_ids), llm.geometry.vocab_size)
+    top1 = ref.argmax(-1)
+    ours_agree = (ours.argmax(-1) == top1).double().mean().item()
+    theirs_agree = (theirs.argmax(-1) == top1).double().mean().item()
+    ppl_ref, ppl_ours, ppl_theirs = (perplexity(x, text_ids) for x in (ref, ours, theirs))
+    print(f"\nbf16 teacher-forced over {len(text_ids)} tokens, against transformers fp32: top-1 agreement ours "
+          f"{ours_agree:.4f}, transformers bf16 {theirs_agree:.4f}; perplexity fp32 {ppl_ref:.4f}, ours "
+          f"{ppl_ours:.4f} ({ppl_ours / ppl_ref - 1:+.3%}), transformers bf16 {ppl_theirs:.4f} "
+          f"({ppl_theirs / ppl_ref - 1:+.3%})")
+    assert ours_agree >= theirs_agree - AGREEMENT_MARGIN
+    assert abs(ppl_ours / ppl_ref - 1) <= PERPLEXITY_BOUND
 
 
 def test_weights_and_cache_are_bf16_and_weight_memory_halves(llm):
