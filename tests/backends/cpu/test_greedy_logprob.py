@@ -2,6 +2,8 @@
 registration of the CPU kernels."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -56,4 +58,5 @@ def test_cpu_kernels_are_registered_in_cpp(op):
     """install() registers the C++ functions themselves: a call never passes through Python."""
     table = torch._C._dispatch_dump(f"fxc::{op}")
     cpu = [line for line in table.splitlines() if line.startswith("CPU:")]
-    assert len(cpu) == 1 and "csrc/paged_attention.cpp" in cpu[0], table
+    # the kernel cache builds a staged copy of csrc/paged_attention.cpp: "registered at .../paged_attention.cpp:LINE"
+    assert len(cpu) == 1 and re.search(r"/paged_attention\.cpp:\d+", cpu[0]), table
