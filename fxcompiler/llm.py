@@ -469,20 +469,21 @@ class LLM:
         runs the step on the calling thread instead while the worker is idle: torch's
         OpenMP teams belong to the thread that starts a parallel region, and handing
         the work between threads made batch-1 decode ~30 % slower (measured)."""
-        if self.__dict__.get("_shut_down"):
+        driver, engine = self.__dict__.get("_driver"), self.__dict__.get("engine")
+        if self.__dict__.get("_shut_down") or driver is None or engine is None:
             raise RuntimeError("this LLM was shut down (LLM.shutdown()) while a request was running")
-        if inline and not self._driver.running:
+        if inline and not driver.running:
             with self._lock:
-                outs = self.engine.step() if self.engine.has_unfinished_requests() else None
+                outs = engine.step() if engine.has_unfinished_requests() else None
             if outs is not None:
                 for out in outs:
                     if out.request_id in self._live:
                         self._pending.setdefault(out.request_id, []).append(out)
                 return
             # nothing left to step: outputs a worker produced earlier may still wait in its queue
-        self._driver.kick()
+        driver.kick()
         try:
-            outs = self._driver.next_outputs(timeout=0.05)
+            outs = driver.next_outputs(timeout=0.05)
         except queue.Empty:
             return
         for out in outs or ():

@@ -20,9 +20,9 @@ def _workers() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "fxcompiler-engine"]
 
 
-async def _stream(llm, ids, stop_after=None):
+async def _stream(llm, ids, stop_after=None, sp=SP):
     out = []
-    async for d in llm.stream_generate("", SP, prompt_token_ids=ids):
+    async for d in llm.stream_generate("", sp, prompt_token_ids=ids):
         out.append(d)
         if stop_after is not None and len(out) >= stop_after:
             break
@@ -65,17 +65,23 @@ def test_context_manager_shuts_down(llama_dir, rel_cache):
         llm.generate(None, SP, prompt_token_ids=PROMPTS[:1])
 
 
+async def _until_running(llm):
+    while not llm.engine.requests:
+        await asyncio.sleep(0.005)
+
+
 def test_shutdown_during_a_stream_aborts_it(llama_dir, rel_cache):
     llm = make_llm(llama_dir, rel_cache)
     blocks = llm.engine.scheduler.blocks
 
     async def main():
-        agen = llm.stream_generate("", SamplingParams(max_tokens=50, temperature=0), prompt_token_ids=PROMPTS[0])
-        await agen.__anext__()
+        task = asyncio.create_task(_stream(llm, [1, 2, 3], None, SamplingParams(max_tokens=120, temperature=0)))
+        await _until_running(llm)
         llm.shutdown()
-        await agen.aclose()
+        return await asyncio.gather(task, return_exceptions=True)
 
-    asyncio.run(main())
+    (res,) = asyncio.run(main())
+    assert isinstance(res, RuntimeError) and "shut down" in str(res)
     blocks.check_invariants()
     assert blocks.num_free_blocks + blocks.num_cached_blocks == blocks.num_usable_blocks
 
@@ -94,8 +100,8 @@ def test_cancelled_streams_leave_nothing_in_pending(llm):
 
 def test_task_cancellation_leaves_nothing_behind(llm):
     async def main():
-        t = asyncio.create_task(_stream(llm, [1, 7, 7], None))
-        await asyncio.sleep(0.05)
+        t = asyncio.create_task(_stream(llm, [1, 7, 7], None, SamplingParams(max_tokens=120, temperature=0)))
+        await _until_running(llm)
         t.cancel()
         with pytest.raises(asyncio.CancelledError):
             await t
@@ -103,3 +109,4 @@ def test_task_cancellation_leaves_nothing_behind(llm):
     asyncio.run(main())
     assert llm.generate(None, SP, prompt_token_ids=PROMPTS[:1])[0].finished
     assert not llm._pending and not llm.engine.requests
+    llm.engine.scheduler.blocks.check_invariants()
