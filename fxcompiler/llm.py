@@ -278,6 +278,9 @@ class LLM:
                                                       gguf_path=source.path if source.is_gguf else None)
         if quant_opts is not None:
             options["quantization"] = quant_opts
+        self.quantization = None if quant_opts is None else {  # recorded in artifacts (fxcompiler inspect)
+            **{k: v for k, v in quant_opts.items() if k != "gguf"},
+            **({"gguf_sha256": quant_opts["gguf"]["sha256"]} if "gguf" in quant_opts else {})}
         auto_bfloat16_cast = auto_bfloat16_cast or quant_bf16  # W16A16 / W8A16 / W4A16: bf16 activations
         if auto_bfloat16_cast:  # captured in the checkpoint's dtype; the auto_bfloat16_cast pass makes it bf16
             options["auto_bfloat16_cast"] = True
@@ -323,6 +326,7 @@ class LLM:
             "comp_supertask_kind": self.comp_supertask_kind, "use_blockwise_compile": self.use_blockwise_compile,
             "num_blocks_per_supertask": self.num_blocks_per_supertask,
             "eos_token_ids": sorted(self._eos), "compile_cache_key": self.build_info.get("cache_key"),
+            "quantization": getattr(self, "quantization", None),
         }
         passes = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in self.pass_history]
         contents = ArtifactContents(self.model_id, self.model_config, self.generation_config, self.tokenizer,

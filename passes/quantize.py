@@ -47,6 +47,19 @@ def _sources(target: str) -> list[str]:
     return [p.removesuffix(".T") for p in target.split("+")]
 
 
+def _native_name(name: str, tensors: dict) -> str:
+    """The checkpoint tensor name of a captured parameter: the capture may prefix the module path
+    (``model.model.layers...``); a tied ``lm_head`` is the embedding (GGUF stores ``token_embd`` only)."""
+    parts = name.split(".")
+    for i in range(len(parts)):
+        cand = ".".join(parts[i:])
+        if cand in tensors:
+            return cand
+        if cand == "lm_head.weight" and "model.embed_tokens.weight" in tensors:
+            return "model.embed_tokens.weight"
+    return name
+
+
 def _is_head(names: list[str]) -> bool:
     return any(w in n for n in names for w in _HEAD_WORDS)
 
@@ -125,9 +138,7 @@ class QuantizePass:
             return None
         from_ckpt = None
         if native is not None:
-            # a tied lm_head is the embedding's tensor (GGUF stores token_embd only)
-            names = [("model.embed_tokens.weight" if n == "lm_head.weight" and n not in native.tensors else n)
-                     for n in names]
+            names = [_native_name(n, native.tensors) for n in names]
         if native is not None and all(n in native.tensors for n in names):
             parts = [native.tensors[n] for n in names]
             if len({p.bits for p in parts}) == 1:

@@ -185,3 +185,62 @@ def test_linear_w4_kernel_matches_reference(m, k, n, gs, dtype):
     assert out.dtype == dtype and out.shape == (m, n)
     tol = 2e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol * 10)
+
+
+# -- the quantize pass on tiny models ------------------------------------------------------------------------
+def _requantized_program(cfg, weight: str, group: int):
+    """A tiny fp32 model whose linear weights are already on the scheme's grid (RTN applied once), so the
+    pass must reproduce them: the function changes only by accumulation order and grid round-off."""
+    from fxcompiler import testing
+    from fxcompiler.ops.linear import dequantize_linear_weight_int8, quantize_linear_weight_int8
+
+    program = testing.capture_tiny_model(cfg, dtype=torch.float32)
+    program.info.pop("tiny_key", None)  # params edited: no memoised pass results
+    for name, w in list(program.params.items()):
+        if w.dim() != 2 or any(h in name for h in ("embed", "lm_head", "wte")):
+            continue
+        if weight == "int4":
+            p, s, m = quantize_linear_weight_int4(w, group)
+            program.params[name] = dequantize_linear_weight_int4(p, s, m, w.shape[0], group)
+        else:
+            p, s = quantize_linear_weight_int8(w, group)
+            program.params[name] = dequantize_linear_weight_int8(p, s, w.shape[0], group)
+    return program
+
+
+@settings(max_examples=8, deadline=None)
+@given(cfg=st.sampled_from([None]).flatmap(lambda _: __import__("fxcompiler.testing", fromlist=["x"]).model_configs(
+           archs=("llama", "qwen2", "mistral"))),
+       bucket=st.sampled_from([None]).flatmap(lambda _: __import__("fxcompiler.testing", fromlist=["x"]).buckets()),
+       scheme=st.sampled_from([("int4", 32), ("int4", 64), ("int8", -1), ("int8", 8)]))
+def test_quantize_pass_is_lossless_on_grid_weights(cfg, bucket, scheme):
+    from fxcompiler import testing
+    from fxcompiler.pass_manager import get_pass
+    from passes.quantize import QuantizePass
+
+    weight, group = scheme
+    program = _requantized_program(cfg, weight, group)
+    info = testing.assert_pass_preserves_semantics(
+        QuantizePass({"weight": weight, "group_size": group}), program, testing.example_inputs(program, bucket),
+        rtol=1e-4, atol=1e-4, passes_before=(get_pass("weight_layout"), get_pass("fuse_projections")))
+    assert info["quantized"] >= 3 * cfg.layers and info["kept"] == 1  # qkv, o, gate_up, down per layer; lm_head kept
+    assert set(info["ops"]) == {"w4" if weight == "int4" else "w8"}
+
+
+def test_quantize_pass_lm_head_option_and_errors():
+    from fxcompiler import testing
+    from fxcompiler.pass_manager import PassError, get_pass
+    from passes.quantize import QuantizePass
+
+    cfg = testing.TinyConfig("llama", 1, 32, 2, 1, 97, 48)
+    program = testing.capture_tiny_model(cfg, dtype=torch.float32)
+    inputs = testing.example_inputs(program, testing.TestBucket(1, 3, 0, 4))
+    before = (get_pass("weight_layout"), get_pass("fuse_projections"))
+    info = testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int8", "lm_head": True}), program, inputs,
+                                                   rtol=0.1, atol=0.1, passes_before=before)
+    assert info["kept"] == 0 and info["ops"] == {"w8": 5}  # qkv, o, gate_up, down, lm_head
+    with pytest.raises(PassError, match="group_size=24 does not divide K=32"):
+        testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int8", "group_size": 24}), program, inputs,
+                                                passes_before=before)
+    with pytest.raises(PassError, match="weight must be 'int8', 'int4' or 'native'"):
+        testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int2"}), program, inputs, passes_before=before)
