@@ -244,3 +244,27 @@ def test_quantize_pass_lm_head_option_and_errors():
                                                 passes_before=before)
     with pytest.raises(PassError, match="weight must be 'int8', 'int4' or 'native'"):
         testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int2"}), program, inputs, passes_before=before)
+
+
+# -- LLM arguments (validated before any model is loaded) ------------------------------------------------------
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_i8_a_i8_kv_i8())), NotImplementedError,
+     "quantized activations"),
+    (dict(qformat_path="qformat.yaml"), NotImplementedError, "qformat_path='qformat.yaml'"),
+    (dict(qparam_path="qparam.safetensors"), NotImplementedError, "qparam_path"),
+    (dict(keep_gguf_quantization="yes"), TypeError, "keep_gguf_quantization must be a bool"),
+    (dict(quantization_group_size=33, llm_config=LLMConfig(quantization_config=QuantizationConfig.w_4_a_16())),
+     ValueError, "quantization_group_size"),
+])
+def test_llm_rejects_bad_quantization_arguments(kwargs, exc, match):
+    from fxcompiler import LLM
+
+    with pytest.raises(exc, match=match):
+        LLM("no-such-model-needed", **kwargs)
+
+
+def test_keep_gguf_quantization_needs_a_gguf(tiny_models):
+    from fxcompiler import LLM
+
+    with pytest.raises(ValueError, match="needs a GGUF model"):
+        LLM(str(tiny_models["llama"]), keep_gguf_quantization=True, max_seq_len_to_capture=64)
