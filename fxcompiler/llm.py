@@ -330,8 +330,8 @@ class LLM:
 
         self.kv_cache_plan = KvCachePlan(**ready["kv"])
         self.geometry = ready["geometry"]
-        self.build_info = {**ready["build_info"], "parallel_plan": self.parallel_plan.to_dict()}
         self.parallel_plan.placements = dict((ready.get("placements") or {}).get("placements") or {})
+        self.build_info = {**ready["build_info"], "parallel_plan": self.parallel_plan.to_dict(), "comm": ready["comm"]}
         self._rank_pass_history = ready["pass_history"]
         self._build = None
         self.pipelines, self.pipelines_with_meta = [], []

@@ -111,13 +111,18 @@ def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: di
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         group = dist.group.WORLD.group_name
+        comm = "gloo"
+        if plan.get("comm", "shm") == "shm":  # every rank of a spawned group is on this host
+            from backends.cpu.comm import join_shm_group
+
+            comm = "shm" if join_shm_group(group) else "gloo"
         from .llm import LLM
 
         llm = LLM(**llm_kwargs, _mppp={"plan": plan, "rank": rank, "group": group})
         g = llm.geometry
         history = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in llm.pass_history]
         conn.send(("ready", {"kv": asdict(llm.kv_cache_plan), "num_kv_heads": g.num_kv_heads,
-                             "geometry": g, "pass_history": history, "build_info": dict(llm.build_info),
+                             "geometry": g, "pass_history": history, "build_info": dict(llm.build_info), "comm": comm,
                              "placements": llm._build.graph_module.meta.get("mppp") if llm._build.graph_module
                              is not None else None}))
         runner = llm.engine.runner
