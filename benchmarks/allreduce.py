@@ -87,8 +87,18 @@ def run(world: int = 2, sizes=DEFAULT_SIZES, iters: int = 1000, dtype: str = "fl
              for r in range(world)]
     for p in procs:
         p.start()
+    import queue as queue_mod
+
+    deadline = time.monotonic() + timeout
     try:
-        rows = queue.get(timeout=timeout)
+        while True:  # a rank that dies fails the run at once instead of after the timeout
+            try:
+                rows = queue.get(timeout=0.5)
+                break
+            except queue_mod.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(f"all-reduce benchmark failed: rank exit codes {dead or 'timeout'}")
     finally:
         for p in procs:
             p.join(10)

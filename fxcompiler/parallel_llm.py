@@ -105,8 +105,9 @@ def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: di
     """A rank worker: join the process group, build this rank's shard, serve steps until told to exit."""
     import torch.distributed as dist
 
-    from runtime.workers import serve_steps
+    from runtime.workers import die_with_parent, serve_steps
 
+    die_with_parent()
     try:
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)

@@ -65,6 +65,7 @@ class WorkerGroup:
         self.procs = []
         self._closed = False
         self._lock = threading.Lock()
+        self._early: list[list] = [[] for _ in per_rank_args]  # messages read while waiting on another rank
         for rank, args in enumerate(per_rank_args):
             parent, child = ctx.Pipe(duplex=True)
             p = ctx.Process(target=target, args=(rank, child, *args), name=f"fxcompiler-rank{rank}", daemon=True)
@@ -86,6 +87,8 @@ class WorkerGroup:
     def recv(self, rank: int, timeout: float | None = None) -> Any:
         """The next message of ``rank``; raises :class:`WorkerError` (after tearing every worker
         down) as soon as any rank dies or reports an error, or after ``timeout`` seconds."""
+        if self._early[rank]:
+            return self._early[rank].pop(0)
         conn = self.conns[rank]
         watched = [conn, *(p.sentinel for p in self.procs), *(c for i, c in enumerate(self.conns) if i != rank)]
         while True:
@@ -99,7 +102,7 @@ class WorkerGroup:
                 except (EOFError, OSError):
                     self._fail(rank)
                 if isinstance(msg, tuple) and msg and msg[0] == "error":
-                    self.shutdown()
+                    self.shutdown(timeout=0.2)
                     raise WorkerError(f"rank {rank} raised: {msg[1]}")
                 return msg
             for r, p in enumerate(self.procs):
@@ -113,16 +116,17 @@ class WorkerGroup:
                     except (EOFError, OSError):
                         self._fail(r)
                     if isinstance(other, tuple) and other and other[0] == "error":
-                        self.shutdown()
+                        self.shutdown(timeout=0.2)
                         raise WorkerError(f"rank {r} raised: {other[1]}")
-                    raise WorkerError(f"rank {r} sent an unexpected message {type(other).__name__}")
+                    self._early[r].append(other)  # e.g. another rank's start-up report
+                    watched.remove(c)
 
     def recv_all(self, timeout: float | None = None) -> list[Any]:
         return [self.recv(r, timeout) for r in range(self.world)]
 
     def _fail(self, rank: int):
         code = self.procs[rank].exitcode
-        self.shutdown()
+        self.shutdown(timeout=0.2)  # peers may be spinning in a collective with the dead rank
         raise WorkerError(f"rank {rank} worker (pid {self.procs[rank].pid}) {_describe_exit(code)}; "
                           "every other rank was shut down")
 
@@ -190,6 +194,19 @@ class ParallelModelRunner(ModelRunner):
         self.workers.send_all(("step", batch.bucket, arrays, copies))
         msg = self.workers.recv(0, self.step_timeout)
         return torch.from_numpy(msg[1])
+
+
+def die_with_parent() -> None:
+    """In a worker: be killed when the ``LLM`` process dies, even by SIGKILL (Linux ``PR_SET_PDEATHSIG``),
+    so that no rank outlives it spinning in a collective."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux/glibc: the driver's atexit reaping remains
+        pass
+    if os.getppid() == 1:  # the parent died before the call
+        os._exit(1)
 
 
 def serve_steps(conn, run_step: Callable[[Any, list[np.ndarray], list], torch.Tensor | None], rank: int) -> None:
