@@ -58,7 +58,7 @@ class MpppShardPass:
             return PassResult(gm, False)
         plan = ParallelPlan.from_dict(dict(spec["plan"]))
         rank, group = int(spec["rank"]), str(spec["group"])
-        _dp, pp_rank, tp_rank = plan.mesh.coords(rank)
+        _dp_rank, _pp_rank, tp_rank = plan.mesh.coords(rank)
         if plan.pp > 1:
             raise NotImplementedError(f"pipeline_parallel_size={plan.pp}: stage cutting is not built yet "
                                       "(only tensor parallelism shards graphs today)")
@@ -177,7 +177,6 @@ class _Sharder:
         w = self.ctx.params[self._target(w_node)]
         k = w.shape[1] // self.tp
         self._set(w_node, w.narrow(1, self.rank * k, k), Shard(1))
-        graph = self.gm.graph
         if b_node is not None:
             node.args = (node.args[0], w_node)
             self._set(b_node, self.ctx.params[self._target(b_node)], Replicate())
@@ -190,7 +189,6 @@ class _Sharder:
             u.replace_input_with(node, out)
         node.meta["mppp_placement"] = Partial().to_json()
         self.collectives += 1
-        del graph
 
     def _embedding(self, node: Node) -> None:
         w_node, ids = node.args[0], node.args[1]

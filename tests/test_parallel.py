@@ -106,7 +106,8 @@ def test_killed_rank_is_reported_by_rank_and_every_worker_is_reaped(tiny_llama, 
     # a new tensor-parallel LLM starts afterwards (its ranks hit the compile cache)
     again = LLM(tiny_llama, tensor_parallel_size=2, cache_dir=tp_cache, **KW)
     try:
-        out = again.generate(None, SamplingParams(temperature=0, max_tokens=3), prompt_token_ids=[[1, 5, 9]])
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        out = again.generate(None, sp, prompt_token_ids=[[1, 5, 9]])
         assert len(out[0].outputs[0].token_ids) == 3
     finally:
         again._shutdown_workers()
