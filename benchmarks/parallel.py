@@ -70,7 +70,7 @@ def main() -> None:
         shm[w] = {r["bytes"]: r["shm_p50_us"] for r in allreduce.run(world=w, sizes=sizes, iters=300)}
     print(f"{args.model} {args.dtype}; {args.requests} requests x {args.max_tokens} tokens")
     print(f"{'tp':>3} {'comm':>5} {'start s':>8} {'decode ms/tok':>14} {'tok/s':>8} {'comm share b1':>14} "
-          f"{'comm share b64':>15} {'same tokens':>12}")
+          f"{'comm share bN':>15} {'same tokens':>12}")
     for r in rows:
         share1 = share64 = "-"
         if r["tp"] > 1:
