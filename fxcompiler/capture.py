@@ -24,6 +24,7 @@ from torch.export import Dim
 
 from .models.attention import paged_inputs, use_paged_attention
 from .models.rope import stateless_rope
+from .models.support_check import check_attention_routed
 
 log = logging.getLogger("fxcompiler.capture")
 
@@ -33,6 +34,9 @@ USER_INPUTS = ("input_ids", "position_ids", "k_caches", "v_caches", "block_table
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel",
     "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+    # the rest of fxcompiler.model_zoo (tests/test_model_coverage.py)
+    "GPTJForCausalLM", "Exaone4ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
+    "StableLmForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
 )
 
 
@@ -182,6 +186,7 @@ def capture(model: torch.nn.Module, *, block_size: int = 16) -> CapturedProgram:
         if previous_experts is not None:
             model.set_experts_implementation(previous_experts)
     seconds = time.perf_counter() - t0
+    check_attention_routed(model, ep.graph_module, geometry.num_layers)
     log.info("exported %s in %.1fs (%d nodes)", type(model).__name__, seconds, len(ep.graph.nodes))
     return _from_exported_program(ep, geometry, seconds)
 
