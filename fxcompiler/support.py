@@ -30,18 +30,20 @@ BEGIN, END = "<!-- support-table:begin -->", "<!-- support-table:end -->"
 # What a user meets beyond the tested configs (measured reasons; docs/models.md explains each).
 KNOWN_LIMITS = {
     "llama_dynamic_rope": "NTK rescaling only applies beyond max_position_embeddings, which LLM refuses",
-    "phi3": "a sequence crossing original_max_position_embeddings keeps short-factor keys (transformers re-prefills)",
-    "qwen3": "q/k norm between projection and rope: no fuse_qkv_attention",
-    "olmo2": "q/k norm over all heads before the head split: no fuse_rope/fuse_qkv_attention",
-    "exaone4": "q/k norm: no fuse_qkv_attention",
+    "phi3": "a sequence crossing original_max_position_embeddings keeps short-factor keys (transformers "
+            "re-prefills); qkv split by slicing: no fuse_qkv_attention",
+    "qwen3": "per-head q/k norm between projection and rope: no fuse_qkv_attention (the norms fuse as rms_norm)",
+    "olmo2": "q/k norm over all heads between projection and head split: no fuse_qkv_attention",
+    "exaone4": "q/k norm: no fuse_qkv_attention; full-attention layers have no rope",
     "gemma3": "q/k norm: no fuse_qkv_attention; gelu-tanh MLP: no fuse_silu_mul",
     "gemma2": "gelu-tanh MLP: no fuse_silu_mul",
     "stablelm": "LayerNorm (not RMSNorm); per-head q/k LayerNorm: no fuse_qkv_attention",
-    "gptj": "interleaved partial rotary: no fuse_rope; GELU MLP",
+    "gptj": "interleaved (rotate-every-two) partial rotary: no fuse_rope; GELU MLP",
     "gpt2": "LayerNorm, GELU MLP, no rope",
-    "qwen3_moe": "experts as batched gathers (no fxc::moe op yet); q/k norm",
-    "mixtral": "experts as batched gathers (no fxc::moe op yet)",
-    "gpt_oss": "experts as batched gathers (no fxc::moe op yet); sinks: no fuse_qkv_attention; clamped swiglu",
+    "qwen3_moe": "experts as batched gathers of the selected experts (no fxc::moe op yet); q/k norm",
+    "mixtral": "experts as batched gathers of the selected experts (no fxc::moe op yet)",
+    "gpt_oss": "experts as batched gathers (no fxc::moe op yet); sinks: no fuse_qkv_attention; chunked rope form: "
+               "no fuse_rope; clamped swiglu: no fuse_silu_mul",
 }
 PARITY = {name: ("fp64 fx, dfg, edf" if name in ("llama", "qwen3_moe") else "fp64 fx") for name in zoo_names()}
 PARITY.update({"qwen2": "fp64 fx, dfg, edf", "mistral": "fp64 fx, dfg, edf", "gpt2": "fp64 fx, dfg, edf"})
@@ -114,3 +116,21 @@ def replace_in(text: str, table: str) -> str:
 
 def extract(text: str) -> str:
     return text[text.index(BEGIN): text.index(END) + len(END)]
+
+
+def cmd_models(archs: list[str] | None, write: str | None, check: str | None) -> int:
+    """``fxcompiler models``: print the table; ``write``: put it into a file; ``check``: compare (1 if stale)."""
+    from pathlib import Path
+
+    table = support_table(archs)
+    if write:
+        path = Path(write)
+        path.write_text(replace_in(path.read_text(), table))
+    if check:
+        current = extract(Path(check).read_text())
+        if current != table:
+            print(f"{check}: the support table is stale; regenerate with: fxcompiler models --write {check}")
+            return 1
+    if not (write or check):
+        print(table)
+    return 0
