@@ -90,3 +90,17 @@ def test_zoo_names_and_unknown():
         from fxcompiler.model_zoo import zoo_config
 
         zoo_config("nope")
+
+
+@pytest.mark.slow
+def test_fusion_passes_preserve_semantics_on_zoo_architectures():
+    """The fusion passes on graphs of the new architectures (sinks, softcap, q/k norms, experts)."""
+    from fxcompiler import testing
+    from fxcompiler.pass_manager import get_pass
+
+    before = tuple(get_pass(n) for n in ("decompose", "strip_asserts", "fold_casts", "dce", "cse"))
+    for name in ("gemma2", "qwen3", "gpt_oss", "mixtral"):
+        program = testing.capture_zoo_model(name)
+        inputs = testing.example_inputs(program, testing.TestBucket(2, 3, 20, 16))
+        for p in ("fuse_rms_norm", "fuse_rope"):
+            testing.assert_pass_preserves_semantics(get_pass(p), program, inputs, passes_before=before)
