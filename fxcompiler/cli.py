@@ -139,8 +139,8 @@ def cmd_compile(args) -> int:
           f"unique graph blobs: {len(blobs)}\ncompile cache: {llm.build_info['compile_cache']}, capture: {llm.build_info['export_seconds']:.2f}s, "
           f"total {seconds:.2f}s")
     for h in llm.pass_history:
-        extra = {k: v for k, v in h.items() if k not in ("pass", "modified", "seconds")}
-        print(f"  {h['pass']:20s} {h['seconds'] * 1000:8.1f} ms  modified={h['modified']}  {extra}")
+        extra = {k: v for k, v in h.items() if k not in ("pass", "id", "modified", "seconds")}
+        print(f"  {h.get('id', h['pass']):20s} {h['seconds'] * 1000:8.1f} ms  modified={h['modified']}  {extra}")
     if args.dump_dir:
         print(f"dumps: {args.dump_dir}")
     return 0

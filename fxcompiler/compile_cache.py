@@ -151,7 +151,7 @@ def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext,
         "signature": graph_io.placeholder_signature(gm),
         "param_aliases": aliases, "constant_aliases": const_aliases, "constants": bool(constants),
         "graph_meta": {k: dict(v) for k, v in gm.meta.items() if k == "fxc_constants"},
-        "history": [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in ctx.history],
+        "history": [dict(h) for h in ctx.history],  # records are JSON (PassManager enforces it)
         **(extra or {}),
     }
     (directory / "program.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))

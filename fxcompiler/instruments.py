@@ -68,9 +68,9 @@ class DumpInstrument(PassInstrument):
         total_b, total_a = sum((self._before or {}).values()), sum(after.values())
         rows.append(f"{'TOTAL nodes':60s} {total_b:7d} {total_a:7d} {total_a - total_b:+7d}")
         stem.with_suffix(".diff.txt").write_text("\n".join(rows) + "\n")
-        info = {k: v for k, v in result.info.items() if isinstance(v, (int, float, str, bool))}
         self.summary.append({"index": self.index, "pass": p.name, "modified": result.modified,
-                             "seconds": round(seconds, 4), "nodes_before": total_b, "nodes_after": total_a, **info})
+                             "seconds": round(seconds, 4), "nodes_before": total_b, "nodes_after": total_a,
+                             **result.info})  # JSON by the pass contract
         (self.dir / f"{self.prefix}summary.json").write_text(json.dumps(self.summary, indent=1))
 
     def _stem(self, p: Pass) -> Path:

@@ -313,7 +313,7 @@ class LLM:
             "num_blocks_per_supertask": self.num_blocks_per_supertask,
             "eos_token_ids": sorted(self._eos), "compile_cache_key": self.build_info.get("cache_key"),
         }
-        passes = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in self.pass_history]
+        passes = [dict(h) for h in self.pass_history]  # records are JSON (PassManager enforces it)
         contents = ArtifactContents(self.model_id, self.model_config, self.generation_config, self.tokenizer,
                                     self.pipelines, self._build.params, self.geometry, settings, passes,
                                     source_graphs=getattr(self._build, "source_graphs", {}))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .capture import CapturedProgram, capture
-from .pass_manager import CompileContext, FunctionPass, Pass
+from .pass_manager import CompileContext, FunctionPass, Pass, check_pass_result
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
 
@@ -176,7 +176,7 @@ def _run_passes_before(program: CapturedProgram, passes_before: tuple) -> tuple[
     ctx = context_of(before)
     gm = before.graph_module
     for q in passes:
-        gm = q(gm, ctx).graph_module
+        gm = check_pass_result(q, q(gm, ctx)).graph_module
         gm.recompile()
     if memo is not None:
         _PREPARED[memo] = (copy.deepcopy(gm), list(ctx.input_specs), dict(ctx.params), ctx.geometry)
@@ -199,6 +199,8 @@ def assert_pass_preserves_semantics(p: Pass, program: CapturedProgram, inputs: d
     gm_after = copy.deepcopy(gm)
     p = p if isinstance(p, Pass) else FunctionPass(p)
     result = p(gm_after, ctx_after)
+    info = result.info
+    check_pass_result(p, result)  # the contract LLM(...) enforces: a PassResult with JSON info
     result.graph_module.recompile()
     result.graph_module.graph.lint()
     got = run_program(result.graph_module, ctx_after, inputs)
@@ -207,4 +209,4 @@ def assert_pass_preserves_semantics(p: Pass, program: CapturedProgram, inputs: d
     for name in expected[1]:
         torch.testing.assert_close(got[1][name], expected[1][name], rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"pass {p.name!r} changed {name}: {m}")
-    return result.info
+    return info
