@@ -67,7 +67,8 @@ def _json_default(obj: Any) -> Any:
 
 def options_fingerprint(options: dict[str, Any]) -> str | None:
     """Canonical JSON of the compiler options, or None when they cannot be fingerprinted."""
-    if options.get("dump_dir") or options.get("numeric_check"):
+    if options.get("dump_dir") or options.get("numeric_check") or options.get("bisect") \
+            or os.environ.get("FXCOMPILER_BISECT", "0") not in ("", "0"):
         return None
     try:
         return json.dumps(options, sort_keys=True, default=_json_default)

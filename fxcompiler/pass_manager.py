@@ -14,6 +14,7 @@ what it declares in ``requires`` (:class:`PassRequirements`) is checked before i
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -279,7 +280,12 @@ class VerifyInstrument(PassInstrument):
     graph is a :class:`PassError` naming the pass and the first node that fails: an op that
     no longer accepts its inputs, a node whose recorded ``meta['val']`` dtype or rank
     disagrees with what its inputs produce, or graph outputs whose dtype/rank changed.
-    Propagation also refreshes ``meta['val']`` so later passes read true shapes."""
+    Propagation also refreshes ``meta['val']`` so later passes read true shapes.
+
+    In the default ``"end"`` mode each pass's rewired nodes are also checked locally (each
+    run once on its inputs' recorded fake values: cheap), recording the first failure, so
+    that when the propagation at the end trips, the error names the single pass that broke
+    the graph (the first whose own nodes failed; else the last pass that touched the node)."""
 
     def __init__(self, shape_prop: str | bool = "end"):
         if shape_prop is True:
@@ -290,6 +296,8 @@ class VerifyInstrument(PassInstrument):
         self._outputs: list | None = None
         self._initial_outputs: list | None = None
         self._signatures: dict = {}
+        self._order: list[str] = []
+        self._local_failure: str | None = None
 
     def run_before_pass(self, p, gm, ctx):
         self._outputs = _output_signature(gm) if self.shape_prop else None
@@ -301,13 +309,19 @@ class VerifyInstrument(PassInstrument):
 
     def run_after_pass(self, p, result, ctx, seconds):
         gm = result.graph_module
+        changed = []
         for n in gm.graph.nodes:  # tag what the pass created or rewired, for error messages
             if self._signatures.get(n) != _node_signature(n):
                 n.meta["fxc_pass"] = p.name
+                changed.append(n)
+        self._signatures = {}
+        self._order.append(p.name)
         try:
             gm.graph.lint()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise PassError(f"pass {p.name!r} produced an invalid graph: {exc}") from exc
+        if self.shape_prop == "end" and result.modified and self._local_failure is None and changed:
+            self._local_failure = _local_check(gm, changed, p.name)
         if self.shape_prop != "each" or not result.modified:
             return
         propagate_fake_shapes(gm, pass_name=p.name)
@@ -315,8 +329,32 @@ class VerifyInstrument(PassInstrument):
 
     def run_after_pipeline(self, gm, ctx):
         if self.shape_prop == "end":
-            propagate_fake_shapes(gm, pass_name=None)
-            _check_outputs(gm, self._initial_outputs, None)
+            try:
+                propagate_fake_shapes(gm, pass_name=None, pass_order=self._order)
+                _check_outputs(gm, self._initial_outputs, None)
+            except PassError as exc:
+                if self._local_failure is None or str(exc) == self._local_failure:
+                    raise
+                raise PassError(f"{self._local_failure}\n(the check after the pipeline failed with: {exc})") from None
+
+
+def _local_check(gm: GraphModule, changed: list[torch.fx.Node], pass_name: str) -> str | None:
+    """The error of the first of ``changed`` that fails on its inputs' recorded fake values (meta
+    untouched), or None. Only recorded: recorded values can be stale, the final propagation decides."""
+    saved = {n: n.meta.get("val") for n in changed}
+    try:
+        refresh_meta_val(gm, changed, pass_name=pass_name, check=True)
+    except PassError as exc:
+        return str(exc)
+    except Exception:  # noqa: BLE001 - best effort
+        return None
+    finally:
+        for n, v in saved.items():
+            if v is None:
+                n.meta.pop("val", None)
+            else:
+                n.meta["val"] = v
+    return None
 
 
 def _node_signature(n: torch.fx.Node) -> tuple:
@@ -339,10 +377,11 @@ def _output_signature(gm: GraphModule) -> list:
     return vals
 
 
-def propagate_fake_shapes(gm: GraphModule, pass_name: str | None = None) -> None:
+def propagate_fake_shapes(gm: GraphModule, pass_name: str | None = None, pass_order: list[str] | None = None) -> None:
     """Re-derive every node's ``meta['val']`` from the placeholders' fake values (symbolic
     shapes included); raises :class:`PassError` naming the failing node and the pass that
-    created it (``pass_name``, else the node's ``meta['fxc_pass']`` tag)."""
+    created it (``pass_name``, else the node's ``meta['fxc_pass']`` tag; when the node itself
+    is as captured, the last pass in ``pass_order`` that touched one of its inputs)."""
     from torch._guards import detect_fake_mode
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.passes.fake_tensor_prop import FakeTensorProp
@@ -350,7 +389,13 @@ def propagate_fake_shapes(gm: GraphModule, pass_name: str | None = None) -> None
     def culprit(n: torch.fx.Node) -> str:
         if pass_name is not None:
             return f"pass {pass_name!r}"
-        made_by = {a.meta.get("fxc_pass", "?") for a in [n, *n.all_input_nodes]} - {"capture"}
+        own = n.meta.get("fxc_pass", "capture")
+        if own not in ("capture", "?"):
+            return f"pass {own!r}"  # it last rewired the failing node
+        made_by = {a.meta.get("fxc_pass", "?") for a in n.all_input_nodes} - {"capture"}
+        order = pass_order or []
+        if made_by and all(m in order for m in made_by):
+            return f"pass {max(made_by, key=lambda m: len(order) - order[::-1].index(m))!r}"
         return f"pass {sorted(made_by)[0]!r}" if len(made_by) == 1 else \
             f"one of the passes {sorted(made_by) or ['(capture)']}"
 
@@ -369,9 +414,11 @@ def propagate_fake_shapes(gm: GraphModule, pass_name: str | None = None) -> None
             try:
                 result = super().run_node(n)
             except Exception as exc:  # noqa: BLE001 - re-raised with the node named
-                reason = str(exc).split("\n\nWhile executing")[0]
-                raise PassError(f"{culprit(n)} broke node {n.name!r} ({n.format_node()}): "
-                                f"{type(exc).__name__}: {reason}") from exc
+                reason = str(exc).split("\n\nWhile executing")[0].strip().splitlines()[0][:300]
+                err = PassError(f"{culprit(n)} broke node {n.name!r} ({n.format_node()}): "
+                                f"{type(exc).__name__}: {reason}")
+                err.original = exc  # torch's full report, not chained: it would bury this message
+                raise err from None
             if isinstance(recorded, torch.Tensor) and isinstance(result, torch.Tensor) and (
                     recorded.dtype != result.dtype or recorded.dim() != result.dim()):
                 raise PassError(f"{culprit(n)}: node {n.name!r} ({n.format_node()}) records meta['val'] "
@@ -379,8 +426,74 @@ def propagate_fake_shapes(gm: GraphModule, pass_name: str | None = None) -> None
                                 f"{result.dtype}{list(result.shape)}")
             return result
 
-    with torch.no_grad():
-        _Prop(gm, mode).propagate_dont_convert_inputs(*vals)
+    with torch.no_grad(), _quiet_torch_logs():
+        prop = _Prop(gm, mode)
+        prop.extra_traceback = False  # the PassError names the node; torch's traceback of it would bury it
+        prop.propagate_dont_convert_inputs(*vals)
+
+
+def refresh_meta_val(gm: GraphModule, nodes: Iterable[torch.fx.Node] | None = None, *,
+                     pass_name: str | None = None, check: bool = False) -> int:
+    """Re-derive ``meta["val"]`` of ``nodes`` (default: every ``call_function`` node), in graph order,
+    by running each on its inputs' recorded fake values in the graph's fake mode (symbolic shapes
+    kept). Cheap for a few nodes, unlike :func:`propagate_fake_shapes` over the whole graph. Nodes
+    whose inputs lack a value are skipped. With ``check=True`` a node that fails, or whose recorded
+    dtype/rank disagrees with the new value, is a :class:`PassError` naming ``pass_name`` and the node.
+    Returns how many nodes got a value."""
+    from torch._guards import detect_fake_mode
+
+    wanted = None if nodes is None else set(nodes)
+    mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
+    who = f"pass {pass_name!r}" if pass_name else "a pass"
+    done = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or (wanted is not None and n not in wanted):
+            continue
+        missing = []
+
+        def val(a):
+            if "val" not in a.meta:
+                missing.append(a)
+            return a.meta.get("val")
+
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), val)
+        if missing:
+            continue
+        recorded = n.meta.get("val")
+        try:
+            with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), _quiet_torch_logs():
+                result = n.target(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - re-raised with the node named
+            if check:
+                reason = str(exc).split("\n\nWhile executing")[0].strip().splitlines()[0][:300]
+                raise PassError(f"{who} broke node {n.name!r} ({n.format_node()}): {type(exc).__name__}: "
+                                f"{reason}") from None
+            continue
+        if check and isinstance(recorded, torch.Tensor) and isinstance(result, torch.Tensor) and (
+                recorded.dtype != result.dtype or recorded.dim() != result.dim()):
+            raise PassError(f"{who}: node {n.name!r} ({n.format_node()}) records meta['val'] "
+                            f"{recorded.dtype}{list(recorded.shape)} but its inputs give "
+                            f"{result.dtype}{list(result.shape)}")
+        n.meta["val"] = result
+        done += 1
+    return done
+
+
+@contextlib.contextmanager
+def _quiet_torch_logs():
+    """Silence the fake-tensor / symbolic-shape loggers while checking a graph: a failing op is
+    reported as one PassError, not ~20 lines of torch's tracing logs."""
+    names = ("torch._subclasses.fake_tensor", "torch.fx.experimental.symbolic_shapes", "torch._dynamo",
+             "torch.fx.experimental.recording", "torch._subclasses.fake_utils")
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
 
 
 def verify_instruments_from_env() -> list[PassInstrument]:
@@ -530,7 +643,7 @@ DEFAULT_PASSES = ("decompose", "strip_asserts", "fold_casts", "dce", "cse", "fus
 
 
 # compiler_config_overrides keys (docs/writing-a-pass.md); the rest of the dict reaches passes as ctx.options
-OVERRIDE_KEYS = ("passes", "dump_dir", "numeric_check", "embed_all_constants_into_graph",
+OVERRIDE_KEYS = ("passes", "dump_dir", "numeric_check", "bisect", "embed_all_constants_into_graph",
                  "do_decompositions_for_model_rewrite", "auto_bfloat16_cast",
                  # read by the pipeline builder (blockwise compilation), not by passes
                  "use_blockwise_compile", "num_blocks_per_supertask", "num_blocks_per_pp_stage")
