@@ -797,3 +797,33 @@ def _resolve_anchor(result: list[Pass], anchor: Any, occurrence: Any, name: str,
         raise ValueError(f"cannot insert pass {name!r} {key} {anchor!r}: {base!r} occurs {len(positions)} times "
                          f"(ids {[pass_ids(result)[i] for i in positions]})")
     return positions[k - 1] if k > 0 else positions[k]
+
+
+def passes_spec_as_json(spec: Any) -> dict | None:
+    """``compiler_config_overrides['passes']`` as JSON (what artifacts and ``--passes-json`` record):
+    passes given as objects become ``"module:qualname"`` when importable, else their name with
+    ``"importable": false``."""
+    spec = parse_passes_spec(spec)
+    if not spec:
+        return None
+    out = {k: list(v) for k, v in spec.items() if k != "insert"}
+    inserts = []
+    for item in spec.get("insert", ()):
+        if isinstance(item, dict):
+            ref, where = item["pass"], {k: v for k, v in item.items() if k != "pass"}
+        elif isinstance(item, (tuple, list)) and len(item) == 2 and isinstance(item[1], dict):
+            ref, where = item
+        else:
+            ref, where = item, {}
+        entry: dict[str, Any] = {"pass": ref} if isinstance(ref, str) else {}
+        if not entry:
+            fn = getattr(ref, "fn", ref)
+            module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+            if module and qualname and "<locals>" not in qualname:
+                entry["pass"] = f"{module}:{qualname}"
+            else:
+                entry.update({"pass": getattr(ref, "name", getattr(fn, "__name__", repr(ref))), "importable": False})
+        inserts.append({**entry, **where})
+    if inserts:
+        out["insert"] = inserts
+    return json.loads(json.dumps(out, default=str))
