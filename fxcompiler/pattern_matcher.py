@@ -219,8 +219,9 @@ class Pattern:
             return
         wild = self._wildcard(pa)
         if wild is not None:
-            if isinstance(ga, Node) and ga.op != "call_function":
-                raise _NoMatch(f"wildcard {wild.name!r} expects a literal, got node {ga.name!r}", len(st.nodes))
+            if isinstance(ga, Node) and (ga.op != "call_function" or isinstance(ga.meta.get("val"), torch.Tensor)
+                                         or "val" not in ga.meta):
+                raise _NoMatch(f"wildcard {wild.name!r} expects a scalar, got node {ga.name!r}", len(st.nodes))
             if wild in st.wild and st.wild[wild] != ga:
                 raise _NoMatch(f"wildcard {wild.name!r} would bind both {st.wild[wild]!r} and {ga!r}", len(st.nodes))
             st.wild[wild] = ga
