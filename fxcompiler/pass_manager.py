@@ -51,7 +51,8 @@ class PassRequirements:
 
     * ``stage``: ``"post-decompose"`` (a ``decompose`` pass must run before it) or
       ``"pre-decompose"`` (no ``decompose`` before it); None: either.
-    * ``meta_val``: every placeholder and ``call_function`` node must carry ``meta["val"]`` when it runs.
+    * ``meta_val``: every placeholder and ``call_function`` node must carry ``meta["val"]`` when it runs
+      (nodes without one get it from their inputs first, :func:`refresh_meta_val`; an error if that fails).
     * ``after`` / ``before``: pass names that, when present in the pipeline, must run before / after it.
 
     Order is checked when the pipeline is built (:func:`check_requirements`), ``meta_val`` when the pass
@@ -283,7 +284,8 @@ class VerifyInstrument(PassInstrument):
     Propagation also refreshes ``meta['val']`` so later passes read true shapes.
 
     In the default ``"end"`` mode each pass's rewired nodes are also checked locally (each
-    run once on its inputs' recorded fake values: cheap), recording the first failure, so
+    run once on its inputs' recorded fake values; for unregistered passes, and registered ones
+    that rewired at most ``LOCAL_CHECK_MAX_NODES`` nodes), recording the first failure, so
     that when the propagation at the end trips, the error names the single pass that broke
     the graph (the first whose own nodes failed; else the last pass that touched the node)."""
 
@@ -320,7 +322,8 @@ class VerifyInstrument(PassInstrument):
             gm.graph.lint()
         except Exception as exc:  # noqa: BLE001 - re-raised with context
             raise PassError(f"pass {p.name!r} produced an invalid graph: {exc}") from exc
-        if self.shape_prop == "end" and result.modified and self._local_failure is None and changed:
+        if self.shape_prop == "end" and result.modified and self._local_failure is None and changed and (
+                p.name not in PASS_REGISTRY or len(changed) <= LOCAL_CHECK_MAX_NODES):
             self._local_failure = _local_check(gm, changed, p.name)
         if self.shape_prop != "each" or not result.modified:
             return
@@ -336,6 +339,11 @@ class VerifyInstrument(PassInstrument):
                 if self._local_failure is None or str(exc) == self._local_failure:
                     raise
                 raise PassError(f"{self._local_failure}\n(the check after the pipeline failed with: {exc})") from None
+
+
+# the local check costs about what full propagation costs per node: run it for user passes and small
+# rewrites; the built-in passes that rewrite much of the graph are covered by their property tests
+LOCAL_CHECK_MAX_NODES = 64
 
 
 def _local_check(gm: GraphModule, changed: list[torch.fx.Node], pass_name: str) -> str | None:
@@ -445,6 +453,11 @@ def refresh_meta_val(gm: GraphModule, nodes: Iterable[torch.fx.Node] | None = No
     wanted = None if nodes is None else set(nodes)
     mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"])
     who = f"pass {pass_name!r}" if pass_name else "a pass"
+    with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), _quiet_torch_logs():
+        return _refresh(gm, wanted, who, check)
+
+
+def _refresh(gm: GraphModule, wanted: set | None, who: str, check: bool) -> int:
     done = 0
     for n in gm.graph.nodes:
         if n.op != "call_function" or (wanted is not None and n not in wanted):
@@ -461,8 +474,7 @@ def refresh_meta_val(gm: GraphModule, nodes: Iterable[torch.fx.Node] | None = No
             continue
         recorded = n.meta.get("val")
         try:
-            with torch.no_grad(), (mode if mode is not None else contextlib.nullcontext()), _quiet_torch_logs():
-                result = n.target(*args, **kwargs)
+            result = n.target(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - re-raised with the node named
             if check:
                 reason = str(exc).split("\n\nWhile executing")[0].strip().splitlines()[0][:300]
@@ -556,11 +568,14 @@ def _check_meta_val(p: Pass, gm: GraphModule) -> None:
     if req is None or not req.meta_val:
         return
     missing = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function") and "val" not in n.meta]
+    if missing:  # nodes an earlier pass made without a value: derive it from their inputs (cheap)
+        refresh_meta_val(gm, missing)
+        missing = [n for n in missing if "val" not in n.meta]
     if missing:
         by = sorted({n.meta.get("fxc_pass", "?") for n in missing})
         raise PassError(f"pass {p.name!r} requires meta['val'] on every node, but {len(missing)} nodes lack it "
-                        f"(first: {[n.name for n in missing[:5]]}, made by {by}); the pass that made them should "
-                        "set it (fxcompiler.pattern_matcher.refresh_meta_val does)")
+                        f"(first: {[n.name for n in missing[:5]]}, made by {by}) and it cannot be derived from their "
+                        "inputs; the pass that made them should set it")
 
 
 class PassManager:

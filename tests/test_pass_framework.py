@@ -105,15 +105,21 @@ def test_declared_requirements_are_checked():
     with pytest.raises(ValueError, match="stage must be"):
         PassRequirements(stage="late")
 
-    def no_meta(gm, ctx):  # makes a node without meta["val"]
+    def no_meta(gm, ctx):  # makes a node without meta["val"], one that cannot be derived either
         node = next(n for n in gm.graph.nodes if n.target is aten.rsqrt.default)
         with gm.graph.inserting_after(node):
-            gm.graph.call_function(aten.neg.default, (node,))
-        return PassResult(gm, True)
+            gm.graph.call_function(_opaque, (node,))
+            derivable = gm.graph.call_function(aten.neg.default, (node,))
+        return PassResult(gm, True, {"derivable": derivable.name})
 
-    with pytest.raises(PassError, match=r"'fuse_rms_norm' requires meta\['val'\].*made by \['no_meta'\]"):
+    with pytest.raises(PassError, match=r"'fuse_rms_norm' requires meta\['val'\].*1 nodes lack it.*made by "
+                                        r"\['no_meta'\]"):
         _run(_upto({"passes": {"insert": [(no_meta, {"before": "fuse_rms_norm"})]}}, "fuse_rms_norm"),
              [VerifyInstrument("end")])
+
+
+def _opaque(t):
+    raise RuntimeError("no fake implementation")
 
 
 def test_must_fire_warns_naming_what_blocked_the_match():
