@@ -64,6 +64,9 @@ def test_kernels_built():
         pytest.skip("no C++ compiler / no AVX2 on this machine: ATen fallback is in use")
     assert fxc.kernels_available(), _build.state()["error"]
     assert fxc.isa() in ("avx512", "avx512+amx", "avx512+bf16dot", "avx2")
+    expected = os.environ.get("FXCOMPILER_EXPECT_ISA")  # set by test_isa_paths for a forced path
+    if expected:
+        assert fxc.isa() == expected, f"asked for {expected}, running {fxc.isa()}"
 
 
 @st.composite
