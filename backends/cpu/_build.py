@@ -172,17 +172,20 @@ def load_extension(name: str, sources, flags: list[str], **kwargs):
         staged = _stage_sources(build_dir, sources)
         lib = build_dir / f"{name}.so"
         digest_file = build_dir / f"{name}.so.sha256"
-        if lib.exists() and (not digest_file.exists() or digest_file.read_text().strip() != _library_digest(lib)):
+        verified = lib.exists() and digest_file.exists() and digest_file.read_text().strip() == _library_digest(lib)
+        if lib.exists() and not verified:
             warnings.warn(f"fxcompiler: kernel library {lib} does not match its recorded checksum (an interrupted "
                           "build or a modified file); rebuilding it", RuntimeWarning, stacklevel=2)
             lib.unlink()
             digest_file.unlink(missing_ok=True)
             (build_dir / ".ninja_log").unlink(missing_ok=True)  # relink (and recompile) everything
             cpp_extension.JIT_EXTENSION_VERSIONER.entries.pop(name, None)  # torch skips names it built before
+        stamp = lib.stat().st_mtime_ns if verified else None
         module = cpp_extension.load(name=name, sources=[str(s) for s in staged], extra_cflags=flags,
                                     build_directory=str(build_dir),
                                     verbose=bool(os.environ.get("FXCOMPILER_VERBOSE_BUILD")), **kwargs)
-        _write_if_changed(digest_file, _library_digest(lib).encode())
+        if not verified or lib.stat().st_mtime_ns != stamp:  # built now: record what was built
+            _write_if_changed(digest_file, _library_digest(lib).encode())
     return module
 
 
