@@ -11,7 +11,9 @@ Layout (DESIGN §8, documented in docs/artifact-format.md)::
 
 Writing goes to a temporary sibling directory that is renamed into place, so an
 interrupted export never leaves a half-written artifact. Reading checks the schema,
-that every listed file exists with its size and sha256, and names the file when not.
+then that every listed file exists with its size and sha256 (naming the file when not),
+*before* any graph code is run or any file parsed; every path the manifest names must be
+one of those files, inside the artifact (docs/security.md).
 """
 from __future__ import annotations
 
@@ -30,6 +32,7 @@ from typing import Any
 import torch
 
 from .compile_cache import load_tensors, save_tensors
+from .integrity import IntegrityError, confined, load_allowlist, verify_records
 from .graph_io import graph_constants, graph_module_source, load_graph_module, placeholder_signature
 from .pipeline import Bucket, Pipeline, pipeline_from_dict
 
@@ -38,6 +41,7 @@ log = logging.getLogger("fxcompiler.artifacts")
 ARTIFACT_SCHEMA_VERSION = "1.0"
 MANIFEST = "artifact.json"
 PARAM_FILE_ID = "0"
+REQUIRED_KEYS = ("files", "model", "buckets", "geometry", "settings", "params", "graphs", "pipelines")
 
 
 class ArtifactError(ValueError):
@@ -220,63 +224,76 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     if int(theirs[0]) != int(ours[0]) or (len(theirs) > 1 and int(theirs[1]) > int(ours[1])):
         raise ArtifactError(f"{mf}: artifact schema {version} is newer than (or incompatible with) the schema "
                             f"{ARTIFACT_SCHEMA_VERSION} this fxcompiler reads; rebuild it or upgrade fxcompiler")
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing:
+        raise ArtifactError(f"{mf}: manifest lacks {missing} (written by another tool, or edited); rebuild the artifact")
     return manifest
 
 
 def verify_files(root: Path, manifest: dict[str, Any]) -> None:
-    """Every listed file exists with its recorded size and sha256."""
+    """Every listed file exists inside ``root`` (no ``..``, absolute path or symlink out) with its
+    recorded size and sha256."""
+    try:
+        verify_records(root, manifest.get("files"), manifest=MANIFEST, exhaustive=False)
+    except IntegrityError as exc:
+        raise ArtifactError(str(exc)) from None
+
+
+def manifest_sha256(path: str | os.PathLike) -> str:
+    """The artifact's identity for allow-lists: sha256 of its ``artifact.json`` (which holds the
+    sha256 of every other file)."""
+    return _sha256(Path(path) / MANIFEST)
+
+
+def check_trusted(root: Path, allowlist: set[str] | None) -> None:
+    """With an allow-list (``trusted_hashes=`` or ``$FXCOMPILER_TRUSTED_ARTIFACTS``), the artifact's
+    manifest hash must be in it."""
+    if allowlist is None:
+        return
+    digest = manifest_sha256(root)
+    if digest not in allowlist:
+        raise ArtifactError(f"{root / MANIFEST}: sha256 {digest} is not in the trusted-artifact allow-list; "
+                            "add it (sha256sum of artifact.json, see docs/security.md) to load this artifact")
+
+
+def _file(root: Path, manifest: dict, rel: Any, what: str) -> Path:
+    """A path named by the manifest: confined to the artifact and one of its verified files."""
+    try:
+        path = confined(root, rel, what=what)
+    except IntegrityError as exc:
+        raise ArtifactError(str(exc)) from None
     files = manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise ArtifactError(f"{root / MANIFEST}: has no file list")
-    for rel, info in files.items():
-        f = root / rel
-        if not f.is_file():
-            raise ArtifactError(f"{f}: missing (listed in {MANIFEST})")
-        size = f.stat().st_size
-        if size != info["size"]:
-            raise ArtifactError(f"{f}: size {size} bytes, expected {info['size']} (truncated or replaced)")
-        if _sha256(f) != info["sha256"]:
-            raise ArtifactError(f"{f}: sha256 differs from {MANIFEST} (the file was modified)")
+    if not isinstance(files, dict) or rel not in files:
+        raise ArtifactError(f"{root / MANIFEST}: {what} {rel!r} is not one of the artifact's listed (hashed) files")
+    return path
+
+
+def _field(root: Path, manifest: dict, key: str) -> Any:
+    if key not in manifest:
+        raise ArtifactError(f"{root / MANIFEST}: manifest has no {key!r} entry (written by another tool, or edited)")
+    return manifest[key]
 
 
 def read_artifact(path: str | os.PathLike, *, buckets: list[Bucket] | None = None, verify: bool = True,
-                  cache_dir: str | os.PathLike | None = None) -> ArtifactContents:
+                  cache_dir: str | os.PathLike | None = None,
+                  trusted_hashes: set[str] | None = None) -> ArtifactContents:
     """Load an artifact (the pipelines of ``buckets`` only, when given: they must exist in it).
-    ``config``/``generation_config`` of the result are None: load them from ``model_dir``."""
+    ``config``/``generation_config`` of the result are None: load them from ``model_dir``.
+
+    Verify, then execute: every file the manifest lists is hashed and checked *before* any of
+    them is parsed or its graph code run, and every path the manifest names must be one of those
+    files, inside the artifact. ``trusted_hashes`` (or ``$FXCOMPILER_TRUSTED_ARTIFACTS``, a file of
+    hashes) restricts loading to artifacts whose manifest hash is listed. ``verify=False`` skips
+    the hashing (paths are still confined): only for artifacts you built yourself."""
     root = Path(path)
+    allow = trusted_hashes if trusted_hashes is not None else load_allowlist()
+    if allow is not None and not verify:
+        raise ArtifactError("verify=False cannot be combined with a trusted-artifact allow-list")
+    check_trusted(root, allow)
     manifest = read_manifest(root)
-    checker = _Verifier(root, manifest) if verify else None  # hashes in a thread while the files load
-    try:
-        contents = _read_contents(root, manifest, buckets, cache_dir)
-    except BaseException:
-        if checker is not None:
-            checker.result()  # a damaged file explains a load error better than the error itself
-        raise
-    if checker is not None:
-        checker.result()
-    return contents
-
-
-class _Verifier:
-    """:func:`verify_files` on a worker thread (hashlib releases the GIL on large buffers)."""
-
-    def __init__(self, root: Path, manifest: dict):
-        import threading
-
-        self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(root, manifest), daemon=True)
-        self._thread.start()
-
-    def _run(self, root, manifest):
-        try:
-            verify_files(root, manifest)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            self.error = exc
-
-    def result(self) -> None:
-        self._thread.join()
-        if self.error is not None:
-            raise self.error
+    if verify:
+        verify_files(root, manifest)
+    return _read_contents(root, manifest, buckets, cache_dir)
 
 
 def _read_contents(root: Path, manifest: dict, buckets, cache_dir) -> ArtifactContents:
@@ -291,9 +308,12 @@ def _read_contents(root: Path, manifest: dict, buckets, cache_dir) -> ArtifactCo
         log.warning("artifact %s was built for CPU ISA %s, this host has %s: its prepacked kernels fall back "
                     "where they cannot run", root, manifest["host"]["isa"], host["isa"])
     pipe_files = {}
-    for rel in manifest["pipelines"]:
-        data = json.loads((root / rel).read_text())
-        pipe_files[Bucket(**data["bucket"])] = data
+    for rel in _field(root, manifest, "pipelines"):
+        try:
+            data = json.loads(_file(root, manifest, rel, "pipeline file").read_text())
+            pipe_files[Bucket(**data["bucket"])] = data
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise ArtifactError(f"{root / str(rel)}: malformed pipeline file ({type(exc).__name__}: {exc})") from None
     if buckets is not None:
         missing = [b for b in buckets if b not in pipe_files]
         if missing:
@@ -305,31 +325,37 @@ def _read_contents(root: Path, manifest: dict, buckets, cache_dir) -> ArtifactCo
     needed = {blob["id"] for data in pipe_files.values() for blob in data["blobs"].values()}
     graphs = {}
     for blob_id in sorted(needed):
-        entry = manifest["graphs"].get(blob_id)
+        entry = _field(root, manifest, "graphs").get(blob_id)
         if entry is None:
             raise ArtifactError(f"{root / MANIFEST}: graph blob {blob_id} is used by a pipeline but not listed")
         try:
+            code = _file(root, manifest, entry.get("code"), f"graph blob {blob_id} code")
             if entry["kind"] == "dfg":
                 from .dfg import deserialize
 
-                graphs[blob_id] = deserialize((root / entry["code"]).read_bytes())
+                graphs[blob_id] = deserialize(code.read_bytes())
                 continue
             if entry["kind"] == "edf":
                 graphs[blob_id] = _edf_package(root, entry, manifest, cache_dir)
                 continue
-            consts = load_tensors(root / entry["constants"], entry.get("constant_aliases", {})) \
-                if entry.get("constants") else {}
-            graphs[blob_id] = load_graph_module((root / entry["code"]).read_text(), consts)
+            if entry["kind"] != "fx":
+                raise ArtifactError(f"{root / MANIFEST}: graph blob {blob_id} has unknown kind {entry['kind']!r}")
+            consts = load_tensors(_file(root, manifest, entry["constants"], f"graph blob {blob_id} constants"),
+                                  entry.get("constant_aliases", {})) if entry.get("constants") else {}
+            graphs[blob_id] = load_graph_module(code.read_text(), consts)
+        except ArtifactError:
+            raise
         except Exception as exc:  # noqa: BLE001 - named and re-raised
-            raise ArtifactError(f"{root / entry['code']}: cannot load graph blob ({type(exc).__name__}: {exc})") from exc
+            raise ArtifactError(f"{root / str(entry.get('code'))}: cannot load graph blob "
+                                f"({type(exc).__name__}: {exc})") from exc
     pipelines = []
     for bucket, data in pipe_files.items():
         try:
             pipelines.append(pipeline_from_dict(data, graphs))
         except ValueError as exc:
             raise ArtifactError(f"{root / 'pipelines' / bucket_file_name(bucket)}: {exc}") from None
-    prm = manifest["params"]
-    pfile = root / prm["file"]
+    prm = _field(root, manifest, "params")
+    pfile = _file(root, manifest, prm.get("file"), "parameter file")
     try:
         if prm["format"] == "safetensors":
             params = load_tensors(pfile, prm.get("aliases", {}))
@@ -340,11 +366,15 @@ def _read_contents(root: Path, manifest: dict, buckets, cache_dir) -> ArtifactCo
     for pipe in pipelines:
         for k in pipe.param_files:
             pipe.param_files[k] = type(pipe.param_files[k])(str(pfile), prm["format"])
-    g = dict(manifest["geometry"])
-    g["dtype"] = getattr(torch, g["dtype"])
+    g = dict(_field(root, manifest, "geometry"))
+    try:
+        g["dtype"] = getattr(torch, g["dtype"])
+        geometry = ModelGeometry(**g)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ArtifactError(f"{root / MANIFEST}: malformed 'geometry' entry ({type(exc).__name__}: {exc})") from None
     # config / generation config are left to the caller (LLM loads them on first use)
-    return ArtifactContents(manifest["model"]["id"], None, None, None, pipelines, params,
-                            ModelGeometry(**g), dict(manifest["settings"]), list(manifest.get("passes", [])),
+    return ArtifactContents(_field(root, manifest, "model")["id"], None, None, None, pipelines, params,
+                            geometry, dict(_field(root, manifest, "settings")), list(manifest.get("passes", [])),
                             manifest, root / "model")
 
 
@@ -358,14 +388,16 @@ def _edf_package(root: Path, entry: dict, manifest: dict, cache_dir):
     built_isa, host_isa = manifest.get("host", {}).get("isa"), host_description()["isa"]
     same_isa = entry["device_type"] != "cpu" or built_isa in (None, host_isa)
     if versions.get("torch") == torch.__version__ and same_isa:
-        return edf.deserialize((root / entry["code"]).read_bytes(), entry["key"], cache_dir, entry["device_type"])
+        code = _file(root, manifest, entry["code"], "edf package")
+        return edf.deserialize(code.read_bytes(), entry["key"], cache_dir, entry["device_type"])
     why = (f"torch {versions.get('torch')} (this is {torch.__version__})" if versions.get("torch") != torch.__version__
            else f"CPU ISA {built_isa} (this host: {host_isa})")
     if "source" not in entry:
         raise ArtifactError(f"{root / entry['code']}: built for {why} and the artifact has no fx source to "
                             "recompile it from")
-    consts = load_tensors(root / entry["constants"], entry.get("constant_aliases", {})) if entry.get("constants") else {}
-    gm = load_graph_module((root / entry["source"]).read_text(), consts)
+    consts = load_tensors(_file(root, manifest, entry["constants"], "edf source constants"),
+                          entry.get("constant_aliases", {})) if entry.get("constants") else {}
+    gm = load_graph_module(_file(root, manifest, entry["source"], "edf fx source").read_text(), consts)
     log.warning("recompiling edf package %s for this host (the artifact's was built for %s)", entry["code"], why)
     from .graph_io import restore_meta
     from .pipeline import DataBlob

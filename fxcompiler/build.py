@@ -291,4 +291,4 @@ def start_engine(geometry: ModelGeometry, result: BuildResult, *, prefill_bucket
             return next(iter(compiled.values()))
 
     runner = ModelRunner(_Executables(executables), cache, blocks, device)
-    return Engine(runner, scheduler, tokenizer, eos_token_ids, max_context)
+    return Engine(runner, scheduler, tokenizer, eos_token_ids, max_context, vocab_size=g.vocab_size)

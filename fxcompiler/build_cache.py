@@ -7,25 +7,24 @@ functions of the program and the build settings, so their result — the fx pipe
 their (few, shared) blob graphs — is cached too, in
 ``cache_dir/compiled/<program key>/builds/<build key>/``:
 
-- ``pipelines.pkl``: the :class:`~fxcompiler.pipeline.Pipeline` records without their graphs
-  (pickled: a model has hundreds of bucket pipelines and JSON decoding them took a second);
+- ``pipelines.json``: the :class:`~fxcompiler.pipeline.Pipeline` records without their graphs
+  (JSON, never pickle: a cache entry is data, and unpickling runs code);
 - ``graphs/<blob id>.py`` (+ ``.constants.safetensors``): each unique blob's code
   (:mod:`fxcompiler.graph_io`) and ``blobs.json`` its placeholder signature, so the later
   ``dfg``/``edf`` conversions can give a blob its ``meta['val']`` back cheaply.
 
 The build key hashes the program key, model name, buckets, KV block size, device and the
 build options (blockwise settings and the compiler options); the program key already covers the code, torch and
-transformers versions. Entries are written to a temporary directory and renamed; an entry
-that cannot be read is removed with a warning and rebuilt, never used.
+transformers versions. Entries are written to a temporary directory and renamed; every file is
+recorded in ``checksums.json`` and verified before anything is read (verify, then execute); an
+entry that fails verification or cannot be read is removed with a warning and rebuilt, never used.
 """
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import logging
 import os
-import pickle
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -35,11 +34,12 @@ import torch
 
 from . import graph_io
 from .compile_cache import load_tensors, save_tensors, write_entry
-from .pipeline import Bucket, DataBlob, Pipeline
+from .integrity import verify_checksums, write_checksums
+from .pipeline import Bucket, DataBlob, Pipeline, pipeline_from_dict
 
 log = logging.getLogger("fxcompiler.cache")
 
-BUILD_SCHEMA_VERSION = 1
+BUILD_SCHEMA_VERSION = 2  # 2: pipelines.json + checksums.json (was a pickle)
 
 
 def build_key(program_key: str, model_name: str, buckets: list[Bucket], *, block_size: int, device: str,
@@ -64,6 +64,9 @@ class BuildCache:
     def load(self, key: str) -> list[Pipeline] | None:
         """The cached pipelines (blob graphs loaded, signatures in ``gm.meta``), or None."""
         entry = self.path(key)
+        from .integrity import remove_stale_temps
+
+        remove_stale_temps(self.root, ".tmp-")  # entries a killed writer left half-written
         if not entry.is_dir():
             return None
         try:
@@ -97,35 +100,31 @@ class BuildCache:
                 aliases = save_tensors(consts, tmp / "graphs" / f"{bid}.constants.safetensors") if consts else None
                 index[bid] = {"signature": signatures[bid], "constant_aliases": aliases}
             (tmp / "blobs.json").write_text(json.dumps(index, sort_keys=True))
-            bare = [dataclasses.replace(p, blobs={k: DataBlob(b.id, b.kind) for k, b in p.blobs.items()})
-                    for p in pipelines]
-            with open(tmp / "pipelines.pkl", "wb") as fh:
-                pickle.dump({"schema": BUILD_SCHEMA_VERSION, "pipelines": bare}, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            bare = [p.to_dict() for p in pipelines]
+            (tmp / "pipelines.json").write_text(json.dumps({"schema": BUILD_SCHEMA_VERSION, "pipelines": bare}))
+            write_checksums(tmp)
 
         write_entry(entry, write, "build cache")
         return True
 
 
 def _read(entry: Path) -> list[Pipeline]:
-    with open(entry / "pipelines.pkl", "rb") as fh:
-        data = pickle.load(fh)  # the user's own cache_dir, as trusted as the graph code beside it
+    verify_checksums(entry)  # before any file of the entry is parsed or its code run
+    data = json.loads((entry / "pipelines.json").read_text())
     if not isinstance(data, dict) or data.get("schema") != BUILD_SCHEMA_VERSION:
-        raise ValueError(f"pipelines.pkl is not a build-cache schema {BUILD_SCHEMA_VERSION} entry")
+        raise ValueError(f"pipelines.json is not a build-cache schema {BUILD_SCHEMA_VERSION} entry")
     index = json.loads((entry / "blobs.json").read_text())
     graphs = {}
     for bid, info in index.items():
+        if not graph_io.is_safe_name(bid):
+            raise ValueError(f"blobs.json names blob {bid!r}, not a plain identifier")
         consts = {}
         if info["constant_aliases"] is not None:
             consts = load_tensors(entry / "graphs" / f"{bid}.constants.safetensors", info["constant_aliases"])
         gm = graph_io.load_graph_module((entry / "graphs" / f"{bid}.py").read_text(), consts)
         gm.meta["fxc_signature"] = info["signature"]
         graphs[bid] = gm
-    pipelines = data["pipelines"]
-    for p in pipelines:
-        if not isinstance(p, Pipeline):
-            raise TypeError(f"pipelines.pkl holds a {type(p).__name__}, not a Pipeline")
-        p.blobs = {k: DataBlob(b.id, b.kind, graphs[b.id]) for k, b in p.blobs.items()}
-    return pipelines
+    return [pipeline_from_dict(d, graphs) for d in data["pipelines"]]
 
 
 def ensure_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

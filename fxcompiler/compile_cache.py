@@ -12,8 +12,10 @@ run (``dump_dir``, ``numeric_check``) bypass the cache.
 
 Entry layout: ``program.json`` (key inputs, input specs, geometry, placeholder signature,
 pass history), ``graph.py`` (see :mod:`fxcompiler.graph_io`), ``constants.safetensors``,
-``params.safetensors``. Entries are written to a temporary directory and renamed, so a
-crash never leaves a half-written entry behind.
+``params.safetensors``, and ``checksums.json`` (size and sha256 of each: verified before any
+file is parsed or the graph code run; an entry that fails is removed and rebuilt). Entries
+are written to a temporary directory and renamed, so a crash never leaves a half-written
+entry behind.
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import torch
 
 from . import graph_io
 from .capture import InputSpec, ModelGeometry
+from .integrity import verify_checksums, write_checksums
 from .pass_manager import CompileContext
 
 log = logging.getLogger("fxcompiler.cache")
@@ -155,12 +158,14 @@ def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext,
         **(extra or {}),
     }
     (directory / "program.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
+    write_checksums(directory)
 
 
 def load_program(directory: Path, *, restore_meta: bool = True) -> tuple[torch.fx.GraphModule, CompileContext]:
     """Read back what :func:`save_program` wrote. ``meta['val']`` is re-derived by fake propagation
     (seconds for a real model) unless ``restore_meta=False``, which leaves the placeholder
     signature in ``gm.meta['fxc_signature']`` for :func:`fxcompiler.build_cache.ensure_meta`."""
+    verify_checksums(directory, exclude=("builds/", ".tmp-"))  # verify, then execute (graph.py is code)
     meta = json.loads((directory / "program.json").read_text())
     if meta.get("schema") != CACHE_SCHEMA_VERSION:
         raise ValueError(f"{directory}: program schema {meta.get('schema')} != {CACHE_SCHEMA_VERSION}")
@@ -193,7 +198,13 @@ class CompileCache:
 
     def load(self, key: str, *, restore_meta: bool = True) -> tuple[torch.fx.GraphModule, CompileContext] | None:
         entry = self.path(key)
+        from .integrity import remove_stale_temps
+
+        remove_stale_temps(self.root, ".tmp-")  # entries a killed writer left half-written
         if not (entry / "program.json").is_file():
+            if entry.exists():  # entries appear whole (a renamed directory): this one was damaged
+                log.warning("compile cache entry %s has no program.json; removing it", entry)
+                shutil.rmtree(entry, ignore_errors=True)
             return None
         t0 = time.perf_counter()
         try:
@@ -215,7 +226,10 @@ def write_entry(entry: Path, write: Callable[[Path], None], what: str) -> None:
     entry is kept (a concurrent writer got there first); a failed write is logged, never left."""
     if entry.exists():
         return
-    tmp = entry.parent / f".tmp-{entry.name}-{uuid.uuid4().hex[:8]}"
+    from .integrity import remove_stale_temps
+
+    remove_stale_temps(entry.parent, ".tmp-")  # left by a writer that was killed
+    tmp = entry.parent / f".tmp-{os.getpid()}-{entry.name}-{uuid.uuid4().hex[:8]}"
     try:
         write(tmp)
         os.replace(tmp, entry)

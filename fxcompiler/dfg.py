@@ -31,7 +31,6 @@ are ``networkx``-based analyses. A blob serialises with :func:`serialize` /
 """
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib
 import json
@@ -173,21 +172,49 @@ def _resolve_python(path: str):
     return None
 
 
+# What a dfg graph read from a file may call (verify, then execute: an ONNX file names its ops
+# as strings, and resolving any importable dotted name would let a file call anything).
+OP_DOMAINS = frozenset({"aten", "fxc", "prims"})
+PYTHON_ALLOWED_PREFIXES = ("math.", "torch.sym_", "torch._sym_", "torch.fx.experimental.sym_node.",
+                           "fxcompiler.ops.", "torch._refs.", "torch.functional.")
+_BUILTIN_DENIED = frozenset({"attrgetter", "itemgetter", "methodcaller", "call"})
+
+
+class DisallowedOpError(ValueError):
+    """A dfg node names an op outside the allow-list (:data:`OP_DOMAINS`, fx builtins/methods,
+    :data:`PYTHON_ALLOWED_PREFIXES`)."""
+
+
 def _resolve_target(domain: str, op_type: str):
     if domain == METHOD_DOMAIN:
+        if not op_type.isidentifier() or op_type.startswith("_"):
+            raise DisallowedOpError(f"dfg node calls method {op_type!r}: only public tensor methods are allowed")
         return "call_method", op_type
     if domain == BUILTIN_DOMAIN:
+        if not op_type.isidentifier() or op_type.startswith("_") or op_type in _BUILTIN_DENIED \
+                or not hasattr(operator, op_type):
+            raise DisallowedOpError(f"dfg node calls operator.{op_type}, which is not an allowed builtin op")
         return "call_function", getattr(operator, op_type)
     if domain == PYTHON_DOMAIN:
+        if not op_type.startswith(PYTHON_ALLOWED_PREFIXES) or not all(p.isidentifier() for p in op_type.split(".")):
+            raise DisallowedOpError(f"dfg node calls the Python function {op_type!r}, outside the allow-list "
+                                    f"{PYTHON_ALLOWED_PREFIXES}")
         obj = _resolve_python(op_type)
         if obj is None:
             raise ValueError(f"dfg node calls {op_type!r}, which does not import here")
         return "call_function", obj
     if domain == "higher_order":
+        if not op_type.isidentifier() or op_type.startswith("_") or not hasattr(torch.ops.higher_order, op_type):
+            raise DisallowedOpError(f"dfg node calls higher-order op {op_type!r}, which is not registered")
         return "call_function", getattr(torch.ops.higher_order, op_type)
+    if domain not in OP_DOMAINS:
+        raise DisallowedOpError(f"dfg node calls {domain}::{op_type}: only the op namespaces {sorted(OP_DOMAINS)} "
+                                "are allowed in a graph read from a file")
     if domain == "fxc":
         import fxcompiler.ops  # noqa: F401  (registers the fxc namespace)
     name, _, overload = op_type.partition(".")
+    if not name.isidentifier() or (overload and not overload.isidentifier()):
+        raise DisallowedOpError(f"dfg node calls {domain}::{op_type!r}, not an op name")
     try:
         packet = getattr(getattr(torch.ops, domain), name)
         return "call_function", getattr(packet, overload) if overload else packet
@@ -552,25 +579,65 @@ def _elem_size(elem_type: int) -> int | None:
     return None if dtype is None else torch.empty((), dtype=dtype).element_size()
 
 
-@functools.lru_cache(maxsize=4096)
-def _sympify(text: str):
-    import sympy
-
-    return sympy.sympify(text)
+_MAX_DIM_TEXT = 256
 
 
 def _dim_value(text: str, sizes: dict[str, int]) -> int | None:
-    """A ``dim_param`` (a symbol or an expression of symbols, e.g. ``s37*s29``) under ``sizes``."""
+    """A ``dim_param`` (a symbol or an expression of symbols, e.g. ``s37*s29``) under ``sizes``;
+    None when it is not a small integer expression of known symbols. Parsed with :mod:`ast`
+    and evaluated over an allow-list of integer operations: never ``eval``/``sympify``."""
     if text in sizes:
         return int(sizes[text])
-    try:
-        import sympy
-
-        expr = _sympify(text)
-        value = expr.subs({sympy.Symbol(k): int(v) for k, v in sizes.items()})
-    except (TypeError, ValueError, SyntaxError, AttributeError, ImportError):
+    if not isinstance(text, str) or len(text) > _MAX_DIM_TEXT:
         return None
-    return int(value) if getattr(value, "is_Integer", False) else None
+    import ast
+
+    try:
+        tree = ast.parse(text, mode="eval")
+    except SyntaxError:
+        return None
+    return _int_expr(tree.body, sizes)
+
+
+def _int_expr(node, sizes: dict[str, int]) -> int | None:
+    import ast
+
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+        return node.value
+    if isinstance(node, ast.Name):
+        v = sizes.get(node.id)
+        return int(v) if v is not None else None
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+        v = _int_expr(node.operand, sizes)
+        return None if v is None else -v
+    if isinstance(node, ast.BinOp):
+        a, b = _int_expr(node.left, sizes), _int_expr(node.right, sizes)
+        if a is None or b is None:
+            return None
+        op = type(node.op)
+        if op is ast.Add:
+            return a + b
+        if op is ast.Sub:
+            return a - b
+        if op is ast.Mult:
+            return a * b if abs(a * b) < 1 << 62 else None
+        if op in (ast.FloorDiv, ast.Mod) and b != 0:
+            return a // b if op is ast.FloorDiv else a % b
+        return None
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.keywords:
+        args = [_int_expr(a, sizes) for a in node.args]
+        if any(a is None for a in args) or not args:
+            return None
+        fn = {"Max": max, "Min": min}.get(node.func.id)
+        if fn is not None:
+            return fn(args)
+        if node.func.id in ("FloorDiv", "floor_div") and len(args) == 2 and args[1]:
+            return args[0] // args[1]
+        if node.func.id in ("Mod", "PythonMod") and len(args) == 2 and args[1]:
+            return args[0] % args[1]
+        if node.func.id == "CeilDiv" and len(args) == 2 and args[1]:
+            return -(-args[0] // args[1])
+    return None
 
 
 def _bytes_of(vi: onnx.ValueInfoProto, sizes: dict[str, int]) -> int | None:

@@ -326,6 +326,7 @@ def compile_package(gm: torch.fx.GraphModule, path: str | os.PathLike, device: t
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
                                                  inductor_configs=dict(INDUCTOR_OPTIONS) or None)
         os.replace(tmp, path)
+        _record(path)
     except Exception as exc:
         tmp.unlink(missing_ok=True)
         raise EdfCompileError(f"edf: AOTInductor compilation of blob {label} failed: "
@@ -372,6 +373,12 @@ def to_edf_blob(blob: DataBlob, cache_dir: str | os.PathLike | None, device: tor
     _check_fx_blob(blob)
     device = torch.device(device)
     key, path = _package_path(blob, cache_dir, device)
+    if path.is_file() and not package_is_intact(path):
+        import logging
+
+        logging.getLogger("fxcompiler.cache").warning(
+            "edf package %s does not match its recorded checksum (or has none); removing and recompiling it", path)
+        path.unlink(missing_ok=True)
     if path.is_file():
         _count(stats, "cached")
     else:
@@ -561,6 +568,8 @@ def _prepare_in_workers(pipelines: list[Pipeline], cache_dir, device, stats: dic
         _check_fx_blob(blob)
         key, path = _package_path(blob, cache_dir, dev)
         cache[ident] = _edf_blob(key, path, dev)
+        if path.is_file() and not package_is_intact(path):
+            path.unlink(missing_ok=True)  # damaged or unrecorded: recompiled below
         if path.is_file():
             _count(stats, "cached")
             continue
@@ -613,12 +622,46 @@ def serialize(package: EdfPackage) -> bytes:
 
 def deserialize(data: bytes, key: str, cache_dir: str | os.PathLike | None = None,
                 device_type: str = "cpu") -> EdfPackage:
-    """An :class:`EdfPackage` from :func:`serialize` bytes: written to ``<cache_dir>/edf/<key>.pt2``
-    (kept when already there)."""
+    """An :class:`EdfPackage` from :func:`serialize` bytes: written to ``<cache_dir>/edf/<key>.pt2``.
+    ``key`` must be a sha256 hex digest (it names a file; nothing else may). A package already
+    there is kept only when its bytes are these bytes; a different one is replaced (the
+    artifact's own package is what was verified)."""
+    check_key(key)
     path = package_dir(cache_dir) / f"{key}{PACKAGE_SUFFIX}"
-    if not path.is_file():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{PACKAGE_SUFFIX}")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+    digest = hashlib.sha256(data).hexdigest()
+    if path.is_file() and not path.is_symlink() and _sha256_of(path) == digest:
+        return EdfPackage(str(path), key, device_type)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{PACKAGE_SUFFIX}")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+    _record(path)
     return EdfPackage(str(path), key, device_type)
+
+
+def check_key(key: Any) -> str:
+    """A package key: 64 lowercase hex digits (a file name inside ``<cache_dir>/edf``, never a path)."""
+    if not isinstance(key, str) or len(key) != 64 or any(c not in "0123456789abcdef" for c in key):
+        raise ValueError(f"edf package key must be a sha256 hex digest, got {key!r}")
+    return key
+
+
+def _sha256_of(path: Path) -> str:
+    from .integrity import sha256_file
+
+    return sha256_file(path)
+
+
+def _record(path: Path) -> None:
+    """Write ``<key>.pt2.sha256`` beside a package: its content checksum, verified before loading."""
+    path.with_name(path.name + ".sha256").write_text(_sha256_of(path))
+
+
+def package_is_intact(path: str | os.PathLike) -> bool:
+    """Whether the cached package ``path`` matches the checksum recorded beside it (a package
+    without one, or a symlink, is not trusted)."""
+    path = Path(path)
+    rec = path.with_name(path.name + ".sha256")
+    if path.is_symlink() or not path.is_file() or not rec.is_file():
+        return False
+    return rec.read_text().strip() == _sha256_of(path)

@@ -18,6 +18,12 @@ import torch
 
 _HEADER = "# fxcompiler graph blob: ATen-level torch.fx code (see docs/artifact-format.md)\n"
 _SAFE_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_SAFE_FILE_STEM = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_-]{0,127}$")
+
+
+def is_safe_name(name: object) -> bool:
+    """Whether ``name`` can name a file of a cache entry (letters, digits, ``_``, ``-``; no path)."""
+    return isinstance(name, str) and bool(_SAFE_FILE_STEM.match(name))
 
 
 def _ensure_ops_registered() -> None:

@@ -18,6 +18,8 @@ from .config import (BucketConfig, DefaultBucketConfig, KvCacheSharingAcrossBeam
                      resolve_prefill_chunk_size)
 from .models.loader import load_model_info, load_tokenizer, parse_dtype
 from .models.sources import resolve_model_source
+from . import lifecycle
+from .chat_checks import check_messages, check_tools
 from .outputs import RequestOutput
 from .pipeline import Bucket, Device, parse_devices
 from .sampling_params import RequestOutputKind, SamplingParams
@@ -155,6 +157,13 @@ class LLM:
         if paged_attention_num_blocks is not None and (not isinstance(paged_attention_num_blocks, int)
                                                        or paged_attention_num_blocks < 2):
             raise ValueError(f"paged_attention_num_blocks must be an int >= 2, got {paged_attention_num_blocks!r}")
+        if kv_cache_memory_bytes is not None and (isinstance(kv_cache_memory_bytes, bool)
+                                                  or not isinstance(kv_cache_memory_bytes, int)
+                                                  or kv_cache_memory_bytes < 1):
+            raise ValueError(f"kv_cache_memory_bytes must be a positive int (bytes, e.g. 1 << 30), "
+                             f"got {kv_cache_memory_bytes!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**32):
+            raise ValueError(f"seed must be an int in [0, 2**32) or None, got {seed!r}")
         if not isinstance(scheduler_config, SchedulerConfig):
             raise TypeError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         if bucket_config is not None and not isinstance(bucket_config, BucketConfig):
@@ -209,6 +218,10 @@ class LLM:
             set_seed(seed)
         self.seed = seed
         self.cache_dir = Path(cache_dir) if cache_dir is not None else None
+        if self.cache_dir is not None:
+            from .integrity import check_private_dir
+
+            check_private_dir(self.cache_dir)  # created 0700; refused when another user could write to it
         self.comp_supertask_kind = comp_supertask_kind or "fx"
         self.use_blockwise_compile = use_blockwise_compile
         self.scheduler_config = scheduler_config
@@ -335,10 +348,31 @@ class LLM:
                                   kv_cache_sharing_across_beams=kv_cache_sharing_across_beams_config)
         self._lock = threading.Lock()
         self._pending: dict[str, list[RequestOutput]] = {}
+        self._live: set[str] = set()  # request ids whose outputs a caller waits for (others are dropped)
         if self.engine is not None:
             from runtime.driver import EngineDriver
 
             self._driver = EngineDriver(self.engine, self.scheduler_config.npu_queue_limit, self._lock)
+            lifecycle.register(self)
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop the engine's worker thread, abort what is running and release the engine (its KV
+        cache and executables). Idempotent; the LLM cannot generate afterwards. Also called by
+        ``with LLM(...) as llm:``, when the LLM is garbage-collected, and at interpreter exit."""
+        lifecycle.shutdown(self)
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def __del__(self):
+        try:
+            lifecycle.shutdown(self)
+        except Exception:  # noqa: BLE001 - never raise from a finaliser
+            pass
 
     # -- helpers -------------------------------------------------------------------------------------
     def _eos_token_ids(self) -> frozenset[int]:
@@ -352,6 +386,8 @@ class LLM:
         return frozenset(ids)
 
     def _require_engine(self):
+        if getattr(self, "_shut_down", False):
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()); create a new LLM to generate")
         if self.engine is None:
             raise RuntimeError("this LLM was built with skip_engine=True; it has no engine to generate with")
         return self.engine
@@ -359,15 +395,25 @@ class LLM:
     def _encode(self, prompts: list[str], prompt_token_ids, tokenizer_kwargs) -> list[list[int]]:
         if prompt_token_ids is not None:
             ids = prompt_token_ids["input_ids"] if hasattr(prompt_token_ids, "keys") else prompt_token_ids
-            if isinstance(ids, torch.Tensor):
+            if isinstance(ids, torch.Tensor) or hasattr(ids, "tolist"):
                 ids = ids.tolist()
-            if ids and isinstance(ids[0], int):
+            if ids and isinstance(ids, (list, tuple)) and not isinstance(ids[0], (list, tuple)):
                 ids = [ids]
             mask = prompt_token_ids.get("attention_mask") if hasattr(prompt_token_ids, "get") else None
             if mask is not None:
                 mask = mask.tolist() if isinstance(mask, torch.Tensor) else mask
                 ids = [[t for t, m in zip(row, mrow) if m] for row, mrow in zip(ids, mask)]
-            ids = [list(map(int, row)) for row in ids]
+            if not isinstance(ids, (list, tuple)) or not all(isinstance(row, (list, tuple)) for row in ids):
+                raise TypeError("prompt_token_ids must be a list of ints or a list of lists of ints")
+            from runtime.admission import check_token_ids
+
+            checked = []
+            for i, row in enumerate(ids):
+                try:
+                    checked.append(check_token_ids(row, getattr(self.geometry, "vocab_size", None)))
+                except (TypeError, ValueError) as exc:
+                    raise type(exc)(f"prompt_token_ids row {i}: {exc}") from None
+            ids = checked
             if prompts and len(prompts) != len(ids):
                 raise ValueError(f"prompt_token_ids has {len(ids)} sequences but {len(prompts)} prompts were given")
             return ids
@@ -423,21 +469,26 @@ class LLM:
         runs the step on the calling thread instead while the worker is idle: torch's
         OpenMP teams belong to the thread that starts a parallel region, and handing
         the work between threads made batch-1 decode ~30 % slower (measured)."""
-        if inline and not self._driver.running:
+        driver, engine = self.__dict__.get("_driver"), self.__dict__.get("engine")
+        if self.__dict__.get("_shut_down") or driver is None or engine is None:
+            raise RuntimeError("this LLM was shut down (LLM.shutdown()) while a request was running")
+        if inline and not driver.running:
             with self._lock:
-                outs = self.engine.step() if self.engine.has_unfinished_requests() else None
+                outs = engine.step() if engine.has_unfinished_requests() else None
             if outs is not None:
                 for out in outs:
-                    self._pending.setdefault(out.request_id, []).append(out)
+                    if out.request_id in self._live:
+                        self._pending.setdefault(out.request_id, []).append(out)
                 return
             # nothing left to step: outputs a worker produced earlier may still wait in its queue
-        self._driver.kick()
+        driver.kick()
         try:
-            outs = self._driver.next_outputs(timeout=0.05)
+            outs = driver.next_outputs(timeout=0.05)
         except queue.Empty:
             return
         for out in outs or ():
-            self._pending.setdefault(out.request_id, []).append(out)
+            if out.request_id in self._live:  # a cancelled request's late outputs are dropped
+                self._pending.setdefault(out.request_id, []).append(out)
 
     # -- public API ------------------------------------------------------------------------------
     def generate(self, prompts: str | List[str], sampling_params: SamplingParams = SamplingParams(),  # noqa: B008
@@ -448,17 +499,20 @@ class LLM:
         single, prompts_list, ids, params = self._prepare(prompts, sampling_params, prompt_token_ids,
                                                           tokenizer_kwargs)
         request_ids = []
-        for prompt, row, p in zip(prompts_list, ids, params):
-            p.output_kind = RequestOutputKind.FINAL_ONLY
-            rid = uuid.uuid4().hex
-            with self._lock:
-                engine.add_request(rid, row, p, prompt)
-            request_ids.append(rid)
         results: dict[str, RequestOutput] = {}
         try:
+            for prompt, row, p in zip(prompts_list, ids, params):
+                p.output_kind = RequestOutputKind.FINAL_ONLY
+                rid = uuid.uuid4().hex
+                self._live.add(rid)
+                request_ids.append(rid)
+                with self._lock:
+                    engine.add_request(rid, row, p, prompt)
             while len(results) < len(request_ids):
                 for rid in request_ids:
                     for out in self._pending.pop(rid, ()):
+                        if out.error is not None:
+                            raise out.error
                         if out.finished:
                             results[rid] = out
                 if len(results) < len(request_ids):
@@ -469,6 +523,10 @@ class LLM:
                     if rid not in results:
                         engine.abort_request(rid)
             raise
+        finally:
+            for rid in request_ids:
+                self._live.discard(rid)
+                self._pending.pop(rid, None)
         outputs = [results[r] for r in request_ids]
         return outputs[0] if single else outputs
 
@@ -487,9 +545,11 @@ class LLM:
             raise ValueError("messages must be a non-empty conversation or list of conversations")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         rendered = []
+        check_tools(tools)
         for i, conv in enumerate(conversations):
             if not conv or not all(isinstance(m, dict) and "role" in m for m in conv):
                 raise ValueError(f"conversation {i} must be a non-empty list of {{'role', 'content'}} dicts")
+            check_messages(conv, i)
             text = self.tokenizer.apply_chat_template(
                 list(conv), tokenize=False, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, chat_template=chat_template, tools=tools)
@@ -511,8 +571,13 @@ class LLM:
         p = params[0]
         p.output_kind = RequestOutputKind.DELTA
         rid = uuid.uuid4().hex
-        with self._lock:
-            engine.add_request(rid, ids[0], p, prompt)
+        self._live.add(rid)
+        try:
+            with self._lock:
+                engine.add_request(rid, ids[0], p, prompt)
+        except BaseException:
+            self._live.discard(rid)
+            raise
         loop = asyncio.get_running_loop()
         done = False
         try:
@@ -522,12 +587,16 @@ class LLM:
                     await loop.run_in_executor(None, self._step_and_dispatch)
                     continue
                 for out in pending:
+                    if out.error is not None:
+                        done = True  # failed: nothing left to abort
+                        raise out.error
                     delta = out.outputs[0].text
                     if delta:
                         yield delta
                     done = done or out.finished
         finally:
-            if not done:
+            self._live.discard(rid)
+            if not done and not getattr(self, "_shut_down", False):
                 with self._lock:
                     engine.abort_request(rid)
             self._pending.pop(rid, None)

@@ -44,6 +44,7 @@ class RequestOutput:
     finished: bool
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     metrics: dict[str, Any] | None = field(default=None)
+    error: BaseException | None = field(default=None, repr=False)  # set when the request failed (finished)
 
     def __repr__(self) -> str:
         return (

@@ -18,6 +18,31 @@ __all__ = ["RequestOutputKind", "SamplingType", "SamplingParams", "SAMPLING_EPS"
 # Temperatures below this are treated as greedy decoding (vLLM convention).
 SAMPLING_EPS = 1e-5
 
+# Bounds on the work one request may ask for (docs/security.md "Bounds"): each is checked with
+# an error naming the field and the cap. Override a cap with the environment variable
+# FXCOMPILER_MAX_<NAME> (e.g. FXCOMPILER_MAX_LOGPROBS=100) when a deployment needs more.
+LIMITS: dict[str, int] = {
+    "LOGPROBS": 20,  # logprobs and prompt_logprobs (top-k per position; -1 = the vocabulary size, checked by the engine)
+    "SAMPLES": 64,  # n and best_of (parallel samples / beam width)
+    "STOP_STRINGS": 64,  # entries of stop
+    "STOP_STRING_CHARS": 1024,  # characters of one stop string
+    "STOP_TOKEN_IDS": 1024,  # entries of stop_token_ids
+    "LOGIT_BIAS": 1024,  # entries of logit_bias (OpenAI allows 300)
+}
+
+
+def limit(name: str) -> int:
+    """The cap ``name`` of :data:`LIMITS`, or ``$FXCOMPILER_MAX_<name>`` when set (an int)."""
+    import os
+
+    env = os.environ.get(f"FXCOMPILER_MAX_{name}")
+    if env is not None:
+        try:
+            return int(env)
+        except ValueError:
+            raise ValueError(f"FXCOMPILER_MAX_{name} must be an int, got {env!r}") from None
+    return LIMITS[name]
+
 
 class RequestOutputKind(enum.IntEnum):
     """How much of the output each streamed ``RequestOutput`` carries."""
@@ -145,6 +170,9 @@ class SamplingParams:
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise TypeError(f"logit_bias must be a dict[int, float] or None, got {self.logit_bias!r}")
+            if len(self.logit_bias) > limit("LOGIT_BIAS"):
+                raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, at most {limit('LOGIT_BIAS')} "
+                                 "are allowed (FXCOMPILER_MAX_LOGIT_BIAS)")
             bias: dict[int, float] = {}
             for k, v in self.logit_bias.items():
                 try:
@@ -155,6 +183,33 @@ class SamplingParams:
                     raise TypeError(f"logit_bias values must be floats, got {v!r} for token {k!r}")
                 bias[tok] = float(v)
             self.logit_bias = bias or None
+
+    def _verify_bounds(self) -> None:
+        """The caps of :data:`LIMITS` (each error names the field, the cap and its variable)."""
+        cap = limit("SAMPLES")
+        for name in ("n", "best_of"):
+            v = getattr(self, name)
+            if v is not None and v > cap:
+                raise ValueError(f"{name}={v} exceeds the limit of {cap} parallel samples per request "
+                                 "(FXCOMPILER_MAX_SAMPLES)")
+        cap = limit("LOGPROBS")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and cap >= 0 and v > cap:  # prompt_logprobs=-1: checked against the vocabulary
+                raise ValueError(f"{name}={v} exceeds the limit of {cap} log-probabilities per position "
+                                 "(FXCOMPILER_MAX_LOGPROBS)")
+        if len(self.stop) > limit("STOP_STRINGS"):
+            raise ValueError(f"stop has {len(self.stop)} strings, at most {limit('STOP_STRINGS')} are allowed "
+                             "(FXCOMPILER_MAX_STOP_STRINGS)")
+        longest = max((len(x) for x in self.stop), default=0)
+        if longest > limit("STOP_STRING_CHARS"):
+            raise ValueError(f"a stop string has {longest} characters, at most {limit('STOP_STRING_CHARS')} are "
+                             "allowed (FXCOMPILER_MAX_STOP_STRING_CHARS)")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > limit("STOP_TOKEN_IDS"):
+            raise ValueError(f"stop_token_ids has {len(self.stop_token_ids)} entries, at most "
+                             f"{limit('STOP_TOKEN_IDS')} are allowed (FXCOMPILER_MAX_STOP_TOKEN_IDS)")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 64):
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
 
     def _verify_args(self) -> None:
         """Range checks; every message names the field and the allowed range."""
@@ -196,6 +251,7 @@ class SamplingParams:
             raise ValueError(f"early_stopping must be True, False, or 'never', got {self.early_stopping!r}.")
         if not math.isfinite(self.length_penalty):
             raise ValueError(f"length_penalty must be finite, got {self.length_penalty}.")
+        self._verify_bounds()
 
     def _verify_beam_search(self) -> None:
         if self.best_of <= 1:

@@ -30,6 +30,7 @@ class EngineDriver:
         self._running = False
         self._thread: threading.Thread | None = None
         self._wake = threading.Event()
+        self._closed = False  # close(): the worker exits and the engine is released
         self.steps_in_flight_max = 0
 
     @property
@@ -44,6 +45,8 @@ class EngineDriver:
         The worker is one long-lived thread that sleeps while the engine is idle: torch's
         OpenMP team stays with the thread that starts it, so a fresh thread per busy
         period would build a new team (and compete with the old one) each time."""
+        if self._closed:
+            raise RuntimeError("the engine driver was closed (LLM.shutdown()); create a new LLM")
         with self._state:
             if not self._running:
                 self._running = True
@@ -56,13 +59,15 @@ class EngineDriver:
         while True:
             self._wake.wait()
             self._wake.clear()
-            if not self._run():
+            if self._closed or not self._run():
                 return
 
     def _run(self) -> bool:
         """Step until the engine is idle; False after handing an exception to the consumer."""
         try:
             while True:
+                if self._closed:
+                    break
                 with self.lock:
                     if not self.engine.has_unfinished_requests():
                         # Decided under the engine lock: a request added after this point
@@ -83,6 +88,30 @@ class EngineDriver:
         finally:
             with self._state:
                 self._running = False
+
+    def close(self, timeout: float = 10.0) -> bool:
+        """Stop the worker thread (after the step it is computing) and drop the engine reference,
+        so nothing keeps the engine alive; True when the worker has exited."""
+        import time
+
+        self._closed = True
+        self._wake.set()
+        deadline = time.monotonic() + timeout
+        thread = self._thread
+        if thread is threading.current_thread():  # closed from the worker itself: it exits after this step
+            return False
+        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+            try:  # a worker blocked handing over a step's outputs gets through
+                while True:
+                    self.results.get_nowait()
+            except queue.Empty:
+                pass
+            thread.join(0.02)
+        stopped = thread is None or not thread.is_alive()
+        if stopped:
+            self._thread = None
+            self.engine = None
+        return stopped
 
     def next_outputs(self, timeout: float | None = None) -> list[RequestOutput] | None:
         """The next step's outputs; None when the engine went idle (nothing unfinished)."""

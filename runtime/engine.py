@@ -16,6 +16,7 @@ import torch
 from fxcompiler.outputs import CompletionOutput, Logprob, RequestOutput
 from fxcompiler.sampling_params import RequestOutputKind, SamplingParams
 
+from . import admission
 from .beam_search import BeamSearch
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner
@@ -70,7 +71,8 @@ class Engine:
     """In-process engine over one model runner (continuous batching, paged KV)."""
 
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Any, eos_token_ids: frozenset[int],
-                 max_context: int, sampler: Sampler | None = None):
+                 max_context: int, sampler: Sampler | None = None, vocab_size: int | None = None):
+        self.vocab_size = vocab_size  # token ids are checked against it at add_request (None: not checked)
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler or Sampler()
@@ -113,7 +115,10 @@ class Engine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        prompt_token_ids = admission.check_token_ids(prompt_token_ids, self.vocab_size)
         self.check_params(params)
+        admission.check_bounds(params, self.vocab_size)
+        admission.check_fits(len(prompt_token_ids), params, self.scheduler.blocks, self.max_context)
         gen = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
         seq = self._new_seq(request_id, 0, list(prompt_token_ids), params, prompt, gen)
         seq.pending_forks = (params.best_of or params.n) - 1
@@ -162,6 +167,8 @@ class Engine:
         t0 = time.perf_counter()
         try:
             return self._step(batch)
+        except Exception as exc:  # noqa: BLE001 - attributed to the batch's requests; the engine survives
+            return self._fail_batch(batch, exc)
         finally:
             self.scheduler.note_step_time(batch, time.perf_counter() - t0)
 
@@ -217,13 +224,32 @@ class Engine:
             touched[seq.request_id] = self.requests[seq.request_id]
         return [o for st in touched.values() if (o := self._make_output(st)) is not None]
 
+    def _fail_batch(self, batch, exc: Exception) -> list[RequestOutput]:
+        """A step raised: fail the requests whose sequences were in it (each gets a finished
+        output carrying a :class:`~runtime.admission.RequestError`), free their blocks, keep the rest."""
+        rids = list(dict.fromkeys(s.request_id for s in batch.seqs))
+        log.error("engine step failed for request(s) %s: %s: %s", rids, type(exc).__name__, exc)
+        outs = []
+        for rid in rids:
+            st = self.requests.pop(rid, None)
+            for s in (st.seqs if st is not None else [q for q in batch.seqs if q.request_id == rid]):
+                if not s.is_finished:
+                    self.scheduler.finish(s, "error")
+            if st is None:
+                continue
+            err = admission.RequestError(rid, exc, len(rids))
+            outs.append(RequestOutput(rid, st.prompt, st.prompt_token_ids,
+                                      [CompletionOutput(0, "", [], finish_reason="error")], True, error=err))
+        return outs
+
     def _fork(self, seq: Sequence) -> list[Sequence]:
         """Parallel samples of ``seq``'s request: children sharing all its KV blocks."""
         st = self.requests[seq.request_id]
         children = []
         after = seq
         for k in range(1, seq.pending_forks + 1):
-            child = self._new_seq(seq.request_id, k, seq.prompt_token_ids, seq.params, seq.prompt, seq.generator)
+            gen = admission.child_generator(seq.params.seed, k) if seq.generator is not None else None
+            child = self._new_seq(seq.request_id, k, seq.prompt_token_ids, seq.params, seq.prompt, gen)
             self.scheduler.blocks.fork(seq, child)
             self.scheduler.add_running(child, after)
             after = child

@@ -68,7 +68,12 @@ def cache_root() -> Path:
 
 
 def cache_dir() -> Path:
-    return cache_root() / "kernels"
+    """``cache_root()/kernels``, created private (0700) and refused when another user owns it or
+    group/others can write to it (fxcompiler.integrity.check_private_dir): libraries are loaded from it."""
+    from fxcompiler.integrity import check_private_dir
+
+    check_private_dir(cache_root(), what="kernel cache root ($FXCOMPILER_CACHE_DIR)")
+    return check_private_dir(cache_root() / "kernels", what="kernel cache")
 
 
 def _compiler() -> str:

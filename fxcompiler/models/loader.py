@@ -78,6 +78,9 @@ def convert_gguf(gguf: Path, model_id: str, cache_dir: str | os.PathLike | None)
     root.mkdir(parents=True, exist_ok=True)
     # Concurrent processes (e.g. parallel test workers) convert once: the others wait here.
     with _exclusive(root / f".{target.name}.lock"):
+        from ..integrity import remove_stale_temps
+
+        remove_stale_temps(root, ".convert-")  # left by a conversion that was killed
         if not _complete(target):
             _convert_into(gguf, root, target)
     return target
@@ -107,7 +110,7 @@ def _convert_into(gguf: Path, root: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to an HF-format directory in %s (once)", gguf, target)
-    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".convert-{os.getpid()}-", dir=root))
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -138,11 +141,35 @@ def model_directory(source: ModelSource, cache_dir: str | os.PathLike | None) ->
     return source.path
 
 
+_POSITIVE_INT_FIELDS = frozenset({
+    "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+    "vocab_size", "max_position_embeddings", "head_dim", "n_layer", "n_head", "n_embd", "n_positions", "n_inner"})
+_ENCODER_TYPES = frozenset({"bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
+                            "xlm-roberta", "camembert", "mpnet", "t5", "mt5", "bart", "mbart", "pegasus", "whisper"})
+_NOT_CAUSAL_HEADS = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering",
+                     "ForConditionalGeneration", "ForPreTraining", "ForMultipleChoice", "ForNextSentencePrediction")
+
+
+def check_decoder_only(config) -> None:
+    """ValueError for encoder and encoder-decoder models: fxcompiler generates with causal LMs only."""
+    archs = list(getattr(config, "architectures", None) or [])
+    model_type = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False) or (model_type in _ENCODER_TYPES
+                                                        and not getattr(config, "is_decoder", False)) \
+            or (archs and all(a.endswith(_NOT_CAUSAL_HEADS) for a in archs)):
+        raise ValueError(f"model type {model_type!r} ({', '.join(archs) or 'no architectures'}) is an encoder or "
+                         "encoder-decoder model; fxcompiler runs decoder-only causal language models "
+                         "(e.g. LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GPT2LMHeadModel)")
+
+
 def load_config(model_dir: Path, hf_overrides: dict[str, Any] | None, trust_remote_code: bool):
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
     for key, value in (hf_overrides or {}).items():
+        if key in _POSITIVE_INT_FIELDS and value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                                                   or value < 1):
+            raise ValueError(f"hf_overrides[{key!r}] must be a positive int, got {value!r}")
         if not hasattr(config, key) and key not in config.to_dict():
             warnings.warn(f"hf_overrides: config of {type(config).__name__} has no attribute {key!r}; setting it anyway")
         setattr(config, key, value)
@@ -156,6 +183,7 @@ def load_model_info(source: ModelSource, *, cache_dir: str | os.PathLike | None,
 
     model_dir = model_directory(source, cache_dir)
     config = load_config(model_dir, hf_overrides, trust_remote_code)
+    check_decoder_only(config)
     try:
         generation_config = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True)
     except (OSError, ValueError):

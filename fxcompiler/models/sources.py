@@ -50,7 +50,10 @@ def _hf_cache_snapshot(model_id: str) -> Path | None:
         from huggingface_hub import try_to_load_from_cache
     except ImportError:  # pragma: no cover - transformers depends on it
         return None
-    found = try_to_load_from_cache(model_id, "config.json")
+    try:
+        found = try_to_load_from_cache(model_id, "config.json")
+    except Exception:  # noqa: BLE001 - not a valid repo id (e.g. a path): not in the cache
+        return None
     if isinstance(found, str) and os.path.isfile(found):
         return Path(found).parent
     return None
@@ -80,6 +83,9 @@ def resolve_model_source(model: str | os.PathLike) -> ModelSource:
             + (f" and with {len(ggufs)} .gguf files (pass one file)" if ggufs else " or a .gguf file")
         )
     looked.append(f"local path {path.resolve()} (does not exist)")
+    if text.startswith(("/", "./", "../", "~")) or text.count("/") > 1 or os.sep != "/" and os.sep in text:
+        raise ValueError(f"model={text!r}: no such file or directory ({path.resolve()} does not exist); a model is "
+                         "a local HF-format directory, a .gguf file, or a model id in the local Hugging Face cache")
     gguf = find_embedded_gguf(text)
     if gguf is not None:
         return ModelSource("embedded", text, gguf)

@@ -1,0 +1,203 @@
+"""Verify, then execute: file checksums, confined paths and trusted cache folders.
+
+Artifacts and cache entries hold Python graph code, native packages and tensors. Nothing in
+them is parsed, imported or executed before every file it consists of has been hashed and
+compared with its record (:func:`verify_checksums`, :func:`write_checksums`), and every path
+a manifest names is resolved inside its root (:func:`confined`: no absolute paths, no ``..``,
+no symlinks that lead out). Cache folders are created private (``0700``) and refused when
+another user owns them or others may write to them (:func:`check_private_dir`), because a
+folder someone else can write to is a folder someone else can put code in.
+
+Requires: nothing beyond the standard library. Ensures: the helpers raise
+:class:`IntegrityError` (a ``ValueError``) naming the file and the reason.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+from typing import Any
+
+CHECKSUMS = "checksums.json"  # a cache entry's record: {"files": {rel: {"size", "sha256"}}}
+
+
+class IntegrityError(ValueError):
+    """A file or path that fails verification (the message names it and why)."""
+
+
+class UntrustedCacheError(PermissionError):
+    """A cache folder owned by another user or writable by group/others."""
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def confined(root: str | os.PathLike, rel: Any, *, what: str = "path") -> Path:
+    """``root / rel`` resolved, which must stay inside ``root``: ``rel`` must be a relative
+    string without ``..`` parts, and no symlink on the way may lead outside ``root``."""
+    root = Path(root)
+    if not isinstance(rel, str) or not rel:
+        raise IntegrityError(f"{root}: {what} must be a non-empty relative path string, got {rel!r}")
+    p = Path(rel)
+    if p.is_absolute() or rel.startswith(("/", "\\")) or (len(rel) > 1 and rel[1] == ":"):
+        raise IntegrityError(f"{root}: {what} {rel!r} is absolute; only paths inside the folder are allowed")
+    if any(part == ".." for part in p.parts) or "\\" in rel or "\x00" in rel:
+        raise IntegrityError(f"{root}: {what} {rel!r} leaves the folder ('..' or a backslash)")
+    real_root = root.resolve()
+    full = (root / p).resolve()
+    if full != real_root and real_root not in full.parents:
+        raise IntegrityError(f"{root}: {what} {rel!r} resolves to {full}, outside the folder (a symlink out)")
+    return full
+
+
+def file_records(root: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """``{relative path: {"size", "sha256"}}`` of every regular file under ``root`` (the record
+    file itself excluded)."""
+    root = Path(root)
+    out = {}
+    for f in sorted(root.rglob("*")):
+        if f.is_file() and not f.is_symlink() and f.name != CHECKSUMS:
+            out[f.relative_to(root).as_posix()] = {"size": f.stat().st_size, "sha256": sha256_file(f)}
+    return out
+
+
+def write_checksums(root: str | os.PathLike) -> None:
+    """Record the size and sha256 of every file of the entry ``root`` in ``root/checksums.json``."""
+    (Path(root) / CHECKSUMS).write_text(json.dumps({"files": file_records(root)}, indent=1, sort_keys=True))
+
+
+def verify_records(root: str | os.PathLike, files: Any, *, manifest: str = CHECKSUMS,
+                   exhaustive: bool = True, exclude: tuple[str, ...] = ()) -> None:
+    """Every file of ``files`` (``{rel: {"size", "sha256"}}``) exists inside ``root`` with that size
+    and sha256; with ``exhaustive`` no other regular file or any symlink exists under ``root``."""
+    root = Path(root)
+    if not isinstance(files, dict) or not files:
+        raise IntegrityError(f"{root / manifest}: has no file list")
+    for rel, info in files.items():
+        f = confined(root, rel, what=f"file listed in {manifest}")
+        if (root / rel).is_symlink():
+            raise IntegrityError(f"{root / rel}: is a symlink; entries hold regular files only")
+        if not f.is_file():
+            raise IntegrityError(f"{f}: missing (listed in {manifest})")
+        if not isinstance(info, dict) or not isinstance(info.get("size"), int) or not isinstance(info.get("sha256"), str):
+            raise IntegrityError(f"{root / manifest}: malformed record for {rel!r}")
+        size = f.stat().st_size
+        if size != info["size"]:
+            raise IntegrityError(f"{f}: size {size} bytes, expected {info['size']} (truncated or replaced)")
+        if sha256_file(f) != info["sha256"]:
+            raise IntegrityError(f"{f}: sha256 differs from {manifest} (the file was modified)")
+    if exhaustive:
+        for f in root.rglob("*"):
+            rel = f.relative_to(root).as_posix()
+            if rel.startswith(exclude):
+                continue
+            if f.is_symlink():
+                raise IntegrityError(f"{f}: is a symlink; entries hold regular files only")
+            if f.is_file() and rel != manifest and rel not in files:
+                raise IntegrityError(f"{f}: not listed in {manifest} (planted or left behind)")
+
+
+def verify_checksums(root: str | os.PathLike, *, exclude: tuple[str, ...] = ()) -> None:
+    """Check the entry ``root`` against its ``checksums.json`` (see :func:`verify_records`)."""
+    root = Path(root)
+    rec = root / CHECKSUMS
+    if not rec.is_file():
+        raise IntegrityError(f"{rec}: missing (an entry without checksums is never trusted)")
+    try:
+        files = json.loads(rec.read_text()).get("files")
+    except (json.JSONDecodeError, AttributeError) as exc:
+        raise IntegrityError(f"{rec}: not valid JSON ({exc})") from None
+    verify_records(root, files, exclude=exclude)
+
+
+def _mode_problem(path: Path, st: os.stat_result) -> str | None:
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def check_private_dir(path: str | os.PathLike, *, create: bool = True, what: str = "cache_dir") -> Path:
+    """Create ``path`` (mode ``0700``) or check an existing one: owned by this user and not
+    writable by group or others (else :class:`UntrustedCacheError`: code loaded from such a folder
+    could have been put there by someone else). ``FXCOMPILER_TRUST_CACHE_DIR=1`` skips the check
+    (a shared cache on purpose)."""
+    p = Path(path)
+    if create and not p.exists():
+        p.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            os.chmod(p, 0o700)
+        except OSError:
+            pass
+    if os.environ.get("FXCOMPILER_TRUST_CACHE_DIR") == "1" or not p.exists():
+        return p
+    st = p.stat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise UntrustedCacheError(f"{what} {os.fspath(p)!r} is not a directory")
+    problem = _mode_problem(p, st)
+    if problem is not None:
+        raise UntrustedCacheError(
+            f"{what} {os.fspath(p)!r} {problem}: another user could place code there that this process would "
+            f"load (kernels, graphs). Use a private folder (chmod 700, owned by you), or set "
+            f"FXCOMPILER_TRUST_CACHE_DIR=1 to share it on purpose")
+    return p
+
+
+def load_allowlist(value: str | os.PathLike | None = None) -> set[str] | None:
+    """The trusted artifact manifest hashes: ``value`` (or ``$FXCOMPILER_TRUSTED_ARTIFACTS``) is a
+    file with one sha256 hex digest per line (``#`` comments); None when not configured."""
+    src = value if value is not None else os.environ.get("FXCOMPILER_TRUSTED_ARTIFACTS")
+    if not src:
+        return None
+    out = set()
+    for line in Path(src).read_text().splitlines():
+        line = line.split("#", 1)[0].strip().lower()
+        if line:
+            if len(line) != 64 or any(c not in "0123456789abcdef" for c in line):
+                raise IntegrityError(f"{src}: {line!r} is not a sha256 hex digest")
+            out.add(line)
+    return out
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temps(root: str | os.PathLike, prefix: str, *, legacy_age_s: float = 3600.0) -> list[Path]:
+    """Remove ``root/<prefix><pid>-...`` temporary folders whose writer process is gone (and
+    ones without a pid older than ``legacy_age_s``); returns what was removed."""
+    import shutil
+    import time
+
+    removed = []
+    root = Path(root)
+    if not root.is_dir():
+        return removed
+    for d in root.glob(f"{prefix}*"):
+        rest = d.name[len(prefix):]
+        pid_text = rest.split("-", 1)[0]
+        if pid_text.isdigit() and len(pid_text) <= 7:
+            stale = int(pid_text) != os.getpid() and not _pid_alive(int(pid_text))
+        else:
+            try:
+                stale = time.time() - d.stat().st_mtime > legacy_age_s
+            except OSError:
+                continue
+        if stale:
+            shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
+            removed.append(d)
+    return removed

@@ -1,0 +1,116 @@
+"""fxcompiler.integrity: confined paths, file records, private cache folders, stale temporaries."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fxcompiler.integrity import (IntegrityError, UntrustedCacheError, check_private_dir, confined,
+                                  remove_stale_temps, verify_checksums, write_checksums)
+
+
+@pytest.mark.parametrize("rel", ["../x", "a/../../x", "/etc/passwd", "", "a\\..\\b", "a\x00b", None, 5])
+def test_confined_rejects_paths_that_leave_the_root(tmp_path, rel):
+    with pytest.raises(IntegrityError):
+        confined(tmp_path, rel)
+
+
+def test_confined_rejects_a_symlink_out(tmp_path):
+    (tmp_path / "out").mkdir()
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "link").symlink_to(tmp_path / "out")
+    with pytest.raises(IntegrityError, match="outside the folder"):
+        confined(root, "link/evil.py")
+    assert confined(root, "sub/ok.py") == (root / "sub" / "ok.py").resolve()
+
+
+def _entry(tmp_path):
+    e = tmp_path / "entry"
+    (e / "graphs").mkdir(parents=True)
+    (e / "graph.py").write_text("def forward(self): pass\n")
+    (e / "graphs" / "b.bin").write_bytes(b"\x00" * 100)
+    write_checksums(e)
+    return e
+
+
+def test_checksums_accept_an_intact_entry(tmp_path):
+    verify_checksums(_entry(tmp_path))
+
+
+@pytest.mark.parametrize("damage, match", [
+    (lambda e: (e / "graph.py").write_text("import os\n" + (e / "graph.py").read_text()), "size|sha256"),
+    (lambda e: (e / "graphs" / "b.bin").write_bytes(b"\x01" + b"\x00" * 99), "sha256 differs"),
+    (lambda e: (e / "graphs" / "b.bin").write_bytes(b"\x00" * 50), "truncated"),
+    (lambda e: (e / "graph.py").unlink(), "missing"),
+    (lambda e: (e / "planted.py").write_text("x"), "not listed"),
+    (lambda e: (e / "checksums.json").unlink(), "never trusted"),
+    (lambda e: (e / "checksums.json").write_text("{"), "not valid JSON"),
+])
+def test_checksums_detect_each_kind_of_damage(tmp_path, damage, match):
+    e = _entry(tmp_path)
+    damage(e)
+    with pytest.raises(IntegrityError, match=match):
+        verify_checksums(e)
+
+
+def test_checksums_refuse_a_symlinked_file(tmp_path):
+    e = _entry(tmp_path)
+    target = tmp_path / "elsewhere.py"
+    target.write_text((e / "graph.py").read_text())
+    (e / "graph.py").unlink()
+    (e / "graph.py").symlink_to(target)
+    with pytest.raises(IntegrityError, match="symlink"):
+        verify_checksums(e)
+
+
+def test_private_dir_is_created_0700(tmp_path):
+    p = check_private_dir(tmp_path / "new" / "cache")
+    assert (p.stat().st_mode & 0o777) == 0o700
+
+
+def test_world_writable_cache_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR", raising=False)
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    with pytest.raises(UntrustedCacheError, match="writable by group or others"):
+        check_private_dir(d)
+    monkeypatch.setenv("FXCOMPILER_TRUST_CACHE_DIR", "1")
+    check_private_dir(d)
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid") or os.getuid() != 0, reason="chown to another user needs root")
+def test_cache_owned_by_another_user_is_refused(tmp_path, monkeypatch):
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR", raising=False)
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, 65534, 65534)
+    with pytest.raises(UntrustedCacheError, match="owned by uid 65534"):
+        check_private_dir(d)
+
+
+def test_llm_refuses_an_untrusted_cache_dir(tmp_path, monkeypatch, llama_dir):
+    from fxcompiler import LLM
+
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR", raising=False)
+    d = tmp_path / "cache"
+    d.mkdir()
+    os.chmod(d, 0o775)
+    with pytest.raises(UntrustedCacheError, match="cache_dir"):
+        LLM(str(llama_dir), cache_dir=d)
+
+
+def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    (tmp_path / f".convert-{dead_pid}-abc").mkdir()
+    (tmp_path / f".convert-{os.getpid()}-mine").mkdir()
+    old = tmp_path / ".convert-legacy"
+    old.mkdir()
+    os.utime(old, (0, 0))
+    removed = {p.name for p in remove_stale_temps(tmp_path, ".convert-")}
+    assert removed == {f".convert-{dead_pid}-abc", ".convert-legacy"}
+    assert (tmp_path / f".convert-{os.getpid()}-mine").exists()
