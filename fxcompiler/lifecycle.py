@@ -45,6 +45,9 @@ def shutdown(llm: Any, timeout: float = 10.0) -> None:
     live = llm.__dict__.get("_live")
     if live is not None:
         live.clear()
+    workers = llm.__dict__.get("_workers")  # a parallel plan's rank workers / replicas: reaped here
+    if workers is not None:
+        workers.shutdown()
     _LIVE.discard(llm)
 
 

@@ -114,7 +114,10 @@ class LLM:
         _artifact_id: str = "NO_ARTIFACT_ID",
         **kwargs,
     ):
+        llm_kwargs = {k: v for k, v in locals().items() if k not in ("self", "kwargs", "__class__")}
+        llm_kwargs.update(kwargs)  # a tensor-parallel LLM starts its rank workers with the same arguments
         # -- vLLM-style extras and furiosa's hidden kwargs -------------------------------------------
+        mppp = kwargs.pop("_mppp", None)  # set inside a rank worker: {"plan", "rank", "group"}
         paged_attention_num_blocks = kwargs.pop("paged_attention_num_blocks", None)
         kv_cache_memory_bytes = kwargs.pop("kv_cache_memory_bytes", None)
         dtype = parse_dtype(kwargs.pop("dtype", "auto"))
@@ -195,9 +198,11 @@ class LLM:
                                               speculative_draft_data_parallel_size,
                                               speculative_draft_num_blocks_per_pp_stage)):
             raise _later("speculative decoding", "speculative-decoding issue")
-        if tensor_parallel_size != 1 or pipeline_parallel_size != 1 or data_parallel_size not in (None, 1) \
-                or num_blocks_per_pp_stage is not None or len(self.devices) > 1:
-            raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
+        from .parallel_llm import resolve_plan
+
+        self.parallel_plan = None if mppp is not None else resolve_plan(
+            tensor_parallel_size, pipeline_parallel_size, data_parallel_size, self.devices, num_blocks_per_pp_stage)
+        self._workers = None
         if kv_cache_sharing_across_beams_config is not None and not isinstance(
                 kv_cache_sharing_across_beams_config, KvCacheSharingAcrossBeamsConfig):
             raise TypeError("kv_cache_sharing_across_beams_config must be a KvCacheSharingAcrossBeamsConfig, got "
@@ -280,7 +285,14 @@ class LLM:
         # -- build ---------------------------------------------------------------------------------
         from .build import ProgramRequest, build, compile_program, plan_kv_cache
 
+        if self.parallel_plan is not None:  # the ranks build their shards; this process schedules
+            self._start_parallel(llm_kwargs, loaded.config, prefill, decode, paged_attention_block_size,
+                                 enable_prefix_caching, skip_engine, artifacts_export_path,
+                                 kv_cache_sharing_across_beams_config)
+            return
         options = dict(compiler_config_overrides or {})
+        if mppp is not None:
+            options["mppp"] = mppp
         if auto_bfloat16_cast:  # captured in the checkpoint's dtype; the auto_bfloat16_cast pass makes it bf16
             options["auto_bfloat16_cast"] = True
         if embed_all_constants_into_graph:
@@ -314,6 +326,37 @@ class LLM:
             self._export_artifact(artifacts_export_path, param_saved_format)
         self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
 
+    def _start_parallel(self, llm_kwargs, config, prefill, decode, block_size, enable_prefix_caching, skip_engine,
+                        artifacts_export_path, beams_config) -> None:
+        """Tensor parallelism: spawn the rank workers (fxcompiler/parallel_llm.py), then the engine here."""
+        from .parallel_llm import check_model, start_parallel_engine, start_rank_workers
+
+        if skip_engine or artifacts_export_path is not None:
+            raise NotImplementedError("artifacts of a tensor-parallel plan (skip_engine / artifacts_export_path) "
+                                      "are not built yet; build without tensor_parallel_size")
+        check_model(self.parallel_plan, config)
+        self._workers, ready = start_rank_workers(self.parallel_plan, llm_kwargs)  # reaped by shutdown()
+        from .build import KvCachePlan
+
+        self.kv_cache_plan = KvCachePlan(**ready["kv"])
+        self.geometry = ready["geometry"]
+        self.parallel_plan.placements = dict((ready.get("placements") or {}).get("placements") or {})
+        self.build_info = {**ready["build_info"], "parallel_plan": self.parallel_plan.to_dict(), "comm": ready["comm"]}
+        self._rank_pass_history = ready["pass_history"]
+        self._build = None
+        self.pipelines, self.pipelines_with_meta = [], []
+        self.num_blocks_per_supertask = llm_kwargs.get("num_blocks_per_supertask", 1)
+        self._eos = self._eos_token_ids()
+        self._prefill_buckets, self._decode_buckets = prefill, decode
+        self.paged_attention_block_size = block_size
+        self.engine = start_parallel_engine(
+            self._workers, kv=self.kv_cache_plan, prefill_buckets=prefill, decode_buckets=decode,
+            scheduler_config=self.scheduler_config, tokenizer=self.tokenizer, eos_token_ids=self._eos,
+            max_context=self.max_seq_len_to_capture)
+        self.engine.configure(enable_prefix_caching=enable_prefix_caching, prefill_chunk_size=self.prefill_chunk_size,
+                              kv_cache_sharing_across_beams=beams_config)
+        self._start_driver()
+
     def _export_artifact(self, path, param_saved_format: str = "safetensors"):
         from .artifacts import ArtifactContents, export_artifact
 
@@ -346,6 +389,10 @@ class LLM:
             self.engine.configure(enable_prefix_caching=enable_prefix_caching,
                                   prefill_chunk_size=self.prefill_chunk_size,
                                   kv_cache_sharing_across_beams=kv_cache_sharing_across_beams_config)
+        self._start_driver()
+
+    def _start_driver(self) -> None:
+        """The engine's driver thread and request bookkeeping; registers the LLM for shutdown at exit."""
         self._lock = threading.Lock()
         self._pending: dict[str, list[RequestOutput]] = {}
         self._live: set[str] = set()  # request ids whose outputs a caller waits for (others are dropped)
@@ -798,6 +845,8 @@ class LLM:
 
     @property
     def pass_history(self) -> list[dict]:
+        if self._build is None:  # tensor parallel: rank 0's passes
+            return list(self._rank_pass_history)
         return list(self._build.context.history)
 
     def __repr__(self) -> str:

@@ -361,7 +361,9 @@ DEFAULT_PASSES = ("decompose", "strip_asserts", "fold_casts", "dce", "cse", "fus
 OVERRIDE_KEYS = ("passes", "dump_dir", "numeric_check", "embed_all_constants_into_graph",
                  "do_decompositions_for_model_rewrite", "auto_bfloat16_cast",
                  # read by the pipeline builder (blockwise compilation), not by passes
-                 "use_blockwise_compile", "num_blocks_per_supertask", "num_blocks_per_pp_stage")
+                 "use_blockwise_compile", "num_blocks_per_supertask", "num_blocks_per_pp_stage",
+                 # {"plan": ParallelPlan dict, "rank": r, "group": name}: the mppp sharding pass runs first
+                 "mppp")
 
 
 def build_pass_list(options: dict[str, Any] | None = None) -> list[Pass]:
@@ -383,6 +385,8 @@ def build_pass_list(options: dict[str, Any] | None = None) -> list[Pass]:
             raise ValueError(f"cannot disable unknown pass {name!r}; registered: {sorted(PASS_REGISTRY)}")
     names = [n for n in DEFAULT_PASSES if n not in disabled]
     result: list[Pass] = [get_pass(n) for n in names]
+    if options.get("mppp"):  # sharding comes before every pass that re-lays weights out or prepacks them
+        result.insert(0, get_pass("mppp"))
     for item in spec.get("insert", ()):
         user_pass, where = item if isinstance(item, tuple) else (item, {})
         p = get_pass(user_pass) if isinstance(user_pass, str) else (

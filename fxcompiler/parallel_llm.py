@@ -1,0 +1,160 @@
+"""Composition root of a tensor-parallel ``LLM``: rank workers and the engine that drives them.
+
+``LLM(..., tensor_parallel_size=tp)`` (or ``devices="cpu:0,cpu:1"``) spawns one process per rank
+(:class:`runtime.workers.WorkerGroup`). Each rank joins a ``torch.distributed`` process group
+(gloo over TCP on the loopback address; the graph's ``fxc::all_reduce``/``all_gather`` run on it,
+or on the CPU backend's shared-memory path when it is available), builds its own shard of the
+program with the ``mppp`` pass (``LLM(..., _mppp={...})`` inside the worker: same arguments, so
+the compile cache holds one entry per rank) and allocates a KV cache with its heads only. The
+``LLM`` process keeps the tokenizer, scheduler, block manager and sampler, and broadcasts each
+step's inputs (:class:`runtime.workers.ParallelModelRunner`); rank 0 returns the logits.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import traceback
+from dataclasses import asdict
+from typing import Any
+
+import torch
+
+from .mppp import ParallelPlan, PlanError, check_tensor_parallel
+
+log = logging.getLogger("fxcompiler.parallel")
+
+# how long a rank may take to build its program, and one step (a dead rank is noticed at once)
+START_TIMEOUT_S = float(os.environ.get("FXCOMPILER_WORKER_START_TIMEOUT", "900"))
+STEP_TIMEOUT_S = float(os.environ.get("FXCOMPILER_WORKER_STEP_TIMEOUT", "600"))
+
+
+def resolve_plan(tensor_parallel_size: int, pipeline_parallel_size: int, data_parallel_size: int | None,
+                 devices: list, num_blocks_per_pp_stage) -> ParallelPlan | None:
+    """The parallel plan of the ``LLM`` arguments (furiosa's mesh rules: dp is inferred from the
+    devices and tp × pp when not given), or None for one process. Errors name the numbers."""
+    tp, pp = tensor_parallel_size, pipeline_parallel_size
+    n_dev = len(devices)
+    if data_parallel_size is None:
+        dp = max(1, n_dev // (tp * pp)) if n_dev > 1 else 1
+    else:
+        if isinstance(data_parallel_size, bool) or not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be a positive int, got {data_parallel_size!r}")
+        dp = data_parallel_size
+    world = tp * pp * dp
+    if n_dev > 1 and n_dev < world:
+        raise PlanError(f"devices names {n_dev} devices but tensor_parallel_size={tp} × pipeline_parallel_size={pp}"
+                        f" × data_parallel_size={dp} needs {world}")
+    if n_dev > 1 and n_dev != world:
+        raise PlanError(f"devices names {n_dev} devices; tensor_parallel_size={tp} × pipeline_parallel_size={pp} "
+                        f"× data_parallel_size={dp} = {world} must use them all")
+    if world == 1:
+        if num_blocks_per_pp_stage is not None and list(num_blocks_per_pp_stage) not in ([], None):
+            stages = list(num_blocks_per_pp_stage)
+            if len(stages) != 1:
+                raise PlanError(f"num_blocks_per_pp_stage has {len(stages)} stages but pipeline_parallel_size=1")
+        return None
+    if any(d.kind == "cuda" for d in devices):
+        raise NotImplementedError("tensor parallelism over cuda devices (NCCL) is not built yet; use cpu devices")
+    if pp > 1:
+        raise NotImplementedError(f"pipeline_parallel_size={pp}: pipeline parallelism is not built yet "
+                                  "(tensor parallelism is)")
+    if dp > 1:
+        raise NotImplementedError(f"data_parallel_size={dp}: data-parallel replicas are not built yet "
+                                  "(tensor parallelism is)")
+    if num_blocks_per_pp_stage is not None:
+        raise NotImplementedError("num_blocks_per_pp_stage: pipeline parallelism is not built yet")
+    return ParallelPlan(tp=tp, pp=pp, dp=dp)
+
+
+def check_model(plan: ParallelPlan, config) -> None:
+    """Refuse a plan this model's heads / MLP cannot be split by, before any process starts."""
+    heads = getattr(config, "num_attention_heads", None)
+    kv = getattr(config, "num_key_value_heads", None) or heads
+    if heads is None or getattr(config, "model_type", "") == "gpt2":
+        raise NotImplementedError(f"tensor parallelism of model_type={getattr(config, 'model_type', '?')!r}: "
+                                  "only models with separate q/k/v projections (Llama, Qwen2, Mistral) are sharded")
+    check_tensor_parallel(plan.tp, heads, kv, getattr(config, "intermediate_size", None))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_rank_workers(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
+    """Spawn the ranks, wait until each built its shard; returns ``(workers, ready)`` where
+    ``ready`` is rank 0's report (KV plan, geometry, pass history)."""
+    from runtime.workers import WorkerGroup
+
+    world = plan.mesh.world_size
+    threads = max(1, torch.get_num_threads() // world)
+    port = _free_port()
+    args = [(world, port, plan.to_dict(), llm_kwargs, threads) for _ in range(world)]
+    workers = WorkerGroup(rank_main, args)
+    reports = workers.recv_all(START_TIMEOUT_S)
+    kv = {r[1]["kv"]["num_blocks"] for r in reports}
+    if len(kv) != 1:  # every rank must address the same blocks
+        workers.shutdown()
+        raise RuntimeError(f"rank workers sized different KV caches: {sorted(kv)} blocks")
+    return workers, reports[0][1]
+
+
+def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: dict, threads: int) -> None:
+    """A rank worker: join the process group, build this rank's shard, serve steps until told to exit."""
+    import torch.distributed as dist
+
+    from runtime.workers import die_with_parent, serve_steps
+
+    die_with_parent()
+    try:
+        torch.set_num_threads(threads)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        group = dist.group.WORLD.group_name
+        comm = "gloo"
+        if plan.get("comm", "shm") == "shm":  # every rank of a spawned group is on this host
+            from backends.cpu.comm import join_shm_group
+
+            comm = "shm" if join_shm_group(group) else "gloo"
+        from .llm import LLM
+
+        llm = LLM(**llm_kwargs, _mppp={"plan": plan, "rank": rank, "group": group})
+        g = llm.geometry
+        history = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in llm.pass_history]
+        conn.send(("ready", {"kv": asdict(llm.kv_cache_plan), "num_kv_heads": g.num_kv_heads,
+                             "geometry": g, "pass_history": history, "build_info": dict(llm.build_info), "comm": comm,
+                             "placements": llm._build.graph_module.meta.get("mppp") if llm._build.graph_module
+                             is not None else None}))
+        runner = llm.engine.runner
+        exes, kv = runner.executables, runner.kv
+
+        def run_step(bucket, arrays, copies):
+            kv.copy_blocks(copies)
+            ids, pos, table, slots, seq_lens, logits_idx = (torch.from_numpy(a) for a in arrays)
+            with torch.inference_mode():
+                return exes[bucket](ids, pos, *kv.k, *kv.v, table, slots, seq_lens, logits_idx)
+
+        serve_steps(conn, run_step, rank)
+    except BaseException as exc:  # noqa: BLE001 - reported to the LLM process, which raises it
+        try:
+            conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
+        except (BrokenPipeError, OSError):
+            pass
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def start_parallel_engine(workers, *, kv, prefill_buckets, decode_buckets, scheduler_config, tokenizer,
+                          eos_token_ids, max_context):
+    """The ``LLM`` process's engine: scheduler, block manager and sampler here, steps in the ranks."""
+    from runtime.block_manager import BlockManager
+    from runtime.engine import Engine
+    from runtime.scheduler import Scheduler
+    from runtime.workers import ParallelModelRunner
+
+    blocks = BlockManager(kv.num_blocks, kv.block_size, kv.max_seqs, kv.max_blocks_per_seq)
+    scheduler = Scheduler(scheduler_config, blocks, prefill_buckets, decode_buckets)
+    runner = ParallelModelRunner(workers, blocks, STEP_TIMEOUT_S)
+    return Engine(runner, scheduler, tokenizer, eos_token_ids, max_context)

@@ -1,0 +1,217 @@
+"""The mppp sharding pass and the parallel plan, in one process.
+
+Every rank's sharded graph runs in its own thread; the graphs' ``fxc::all_reduce`` /
+``fxc::all_gather`` nodes are pointed at an in-process exchange (a barrier and a list), so the
+ranks together must reproduce the unsharded graph's logits and KV-cache writes (float64)."""
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+
+from fxcompiler import testing
+from fxcompiler.mppp import (DeviceMesh, ParallelPlan, PlanError, check_tensor_parallel, head_layout,
+                             placement_from_json, vocab_shard)
+from fxcompiler.pass_manager import CompileContext
+from fxcompiler.pipeline import parse_devices
+from passes.mppp import MpppShardPass
+
+
+class _Exchange:
+    """Collectives between threads: every rank posts its tensor, all read the rank-ordered list."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list = [None] * world
+        self.local = threading.local()
+
+    def _exchange(self, x):
+        rank = self.local.rank
+        self.barrier.wait()
+        self.slots[rank] = x.clone()
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()
+        return got
+
+    def all_reduce(self, x, group):
+        parts = self._exchange(x)
+        out = parts[0].clone()
+        for p in parts[1:]:
+            out = out + p
+        return out
+
+    def all_gather(self, x, world, group):
+        return torch.cat(self._exchange(x), 0)
+
+
+def _shard(program, tp: int, rank: int):
+    ctx = CompileContext(list(program.input_specs), dict(program.params), program.geometry,
+                         {"mppp": {"plan": ParallelPlan(tp=tp).to_dict(), "rank": rank, "group": "test"}})
+    gm = copy.deepcopy(program.graph_module)
+    result = MpppShardPass()(gm, ctx)
+    return result, ctx
+
+
+def _run_parallel(program, tp: int, inputs: dict):
+    ex = _Exchange(tp)
+    shards = [_shard(program, tp, r) for r in range(tp)]
+    results: list = [None] * tp
+    errors: list = []
+    heads = program.geometry.num_kv_heads
+
+    def work(rank):
+        try:
+            ex.local.rank = rank
+            result, ctx = shards[rank]
+            gm = result.graph_module
+            for n in gm.graph.nodes:
+                if n.target is torch.ops.fxc.all_reduce.default:
+                    n.target = ex.all_reduce
+                elif n.target is torch.ops.fxc.all_gather.default:
+                    n.target = ex.all_gather
+            gm.recompile()
+            lay = head_layout(rank, tp, _num_heads(program), heads)
+            mine = {k: (v.narrow(2, lay.kv_start, lay.kv_heads).contiguous() if "_cache_" in k else v)
+                    for k, v in inputs.items()}
+            results[rank] = testing.run_program(gm, ctx, mine)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+            ex.barrier.abort()
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return shards, results
+
+
+def _num_heads(program) -> int:
+    q = next(v for k, v in program.params.items() if k.endswith("q_proj.weight"))
+    return q.shape[0] // program.geometry.head_dim
+
+
+CASES = [
+    # (arch, hidden, heads, kv_heads, vocab, intermediate, tp): split KV heads, replicated KV heads
+    # (tp > kv), biases (qwen2), a vocab the ranks do not divide (padded shard)
+    ("llama", 64, 4, 2, 96, 48, 2),
+    ("llama", 64, 4, 2, 97, 48, 4),
+    ("qwen2", 48, 6, 3, 97, 48, 3),
+    ("mistral", 64, 4, 4, 96, 64, 2),
+]
+
+
+@pytest.mark.parametrize("arch,hidden,heads,kv,vocab,inter,tp", CASES)
+def test_ranks_together_compute_the_unsharded_graph(arch, hidden, heads, kv, vocab, inter, tp):
+    cfg = testing.TinyConfig(arch, 2, hidden, heads, kv, vocab, inter)
+    program = testing.capture_tiny_model(cfg)
+    for bucket in (testing.TestBucket(2, 5, 0, 4), testing.TestBucket(3, 1, 9, 4)):
+        inputs = testing.example_inputs(program, bucket, seed=3)
+        expect_logits, expect_caches = testing.run_program(program.graph_module, testing.context_of(program), inputs)
+        shards, results = _run_parallel(program, tp, inputs)
+        for rank, (logits, caches) in enumerate(results):
+            torch.testing.assert_close(logits, expect_logits, rtol=1e-10, atol=1e-10)
+            lay = head_layout(rank, tp, heads, kv)
+            for name, cache in caches.items():
+                torch.testing.assert_close(cache, expect_caches[name].narrow(2, lay.kv_start, lay.kv_heads))
+    result, ctx = shards[0]
+    layers = cfg.layers
+    assert result.info["collectives"] == 2 * layers + 2  # o/down per layer, embedding, lm_head
+    assert ctx.geometry.num_kv_heads == max(1, kv // tp)
+    placements = result.graph_module.meta["mppp"]["placements"]
+    q = next(k for k in placements if k.endswith("layers.0.self_attn.q_proj.weight"))
+    assert placement_from_json(placements[q]).dim == 0
+    o = next(k for k in placements if k.endswith("layers.0.self_attn.o_proj.weight"))
+    assert placements[o] == ["S", 1]
+    norm = next(k for k in placements if k.endswith("layers.0.input_layernorm.weight"))
+    assert placements[norm] == ["R"]
+    assert ctx.params[q].shape[0] == heads // tp * (hidden // heads)
+
+
+def test_sharded_parameters_are_the_rank_slices():
+    cfg = testing.TinyConfig("qwen2", 1, 64, 4, 2, 96, 48)
+    program = testing.capture_tiny_model(cfg)
+    full = dict(program.params)
+    result, ctx = _shard(program, 2, 1)
+    for name, value in ctx.params.items():
+        if name.endswith(("q_proj.bias", "k_proj.weight", "gate_proj.weight")):
+            n = full[name].shape[0] // 2
+            assert torch.equal(value, full[name][n:]), name
+        if name.endswith("down_proj.weight"):
+            assert torch.equal(value, full[name][:, 24:])
+    assert result.info["sharded"] > 0
+
+
+def test_gpt2_is_refused_by_name():
+    program = testing.capture_tiny_model(testing.TinyConfig("gpt2", 1, 32, 2, 2, 97, 48))
+    with pytest.raises(NotImplementedError, match="q_proj"):
+        _shard(program, 2, 0)
+
+
+def test_no_plan_is_a_no_op():
+    program = testing.capture_tiny_model(testing.TinyConfig("llama", 1, 32, 2, 2, 97, 48))
+    ctx = testing.context_of(program)
+    assert not MpppShardPass()(program.graph_module, ctx).modified
+
+
+# -- the plan ---------------------------------------------------------------------------------------
+def test_smollm2_head_counts_allow_tp_1_and_3_only():
+    check_tensor_parallel(1, 9, 3, 1536)
+    check_tensor_parallel(3, 9, 3, 1536)
+    with pytest.raises(PlanError, match=r"tensor_parallel_size=2 does not divide the 9 query heads.*\[1, 3\]"):
+        check_tensor_parallel(2, 9, 3, 1536)
+    with pytest.raises(PlanError, match=r"intermediate size 1536"):
+        check_tensor_parallel(9, 9, 3, 1536)
+
+
+def test_kv_heads_replicated_only_in_whole_multiples():
+    check_tensor_parallel(4, 8, 2, None)  # 2 ranks share each KV head
+    assert head_layout(3, 4, 8, 2) == head_layout(3, 4, 8, 2)
+    lay = head_layout(3, 4, 8, 2)
+    assert (lay.q_start, lay.q_heads, lay.kv_start, lay.kv_heads) == (6, 2, 1, 1)
+    with pytest.raises(PlanError, match=r"exceeds the 4 KV heads and is not a multiple"):
+        check_tensor_parallel(6, 12, 4, None)
+    with pytest.raises(PlanError, match=r"does not divide the 3 KV heads"):
+        check_tensor_parallel(2, 6, 3, None)
+
+
+def test_vocab_shards_pad_the_last_rank():
+    assert vocab_shard(97, 2, 0) == (0, 49, 49)
+    assert vocab_shard(97, 2, 1) == (49, 97, 49)
+
+
+def test_mesh_coordinates_and_json_round_trip():
+    mesh = DeviceMesh(tp=2, pp=2, dp=2)
+    assert mesh.world_size == 8
+    assert mesh.coords(5) == (1, 0, 1)
+    assert mesh.tp_group(5) == [4, 5]
+    plan = ParallelPlan(tp=2, placements={"w": ["S", 0]})
+    assert ParallelPlan.from_dict(plan.to_dict()) == plan
+    with pytest.raises(PlanError, match="comm"):
+        ParallelPlan(comm="mpi")
+    with pytest.raises(PlanError, match="unknown fields"):
+        ParallelPlan.from_dict({"tp": 2, "ranks": 3})
+
+
+def test_llm_arguments_resolve_to_a_plan_or_name_the_numbers():
+    from fxcompiler.parallel_llm import resolve_plan
+
+    cpu2 = parse_devices("cpu:0,cpu:1")
+    assert resolve_plan(1, 1, None, parse_devices("cpu"), None) is None
+    assert resolve_plan(2, 1, None, cpu2, None).tp == 2
+    assert resolve_plan(2, 1, None, parse_devices("cpu"), None).tp == 2
+    with pytest.raises(PlanError, match=r"names 2 devices but tensor_parallel_size=3 .* needs 3"):
+        resolve_plan(3, 1, None, cpu2, None)
+    with pytest.raises(NotImplementedError, match="pipeline_parallel_size=2"):
+        resolve_plan(1, 2, None, parse_devices("cpu"), None)
+    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
+        resolve_plan(1, 1, 2, parse_devices("cpu"), None)
+    # dp inferred from the devices and tp x pp (furiosa's mesh rule)
+    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
+        resolve_plan(1, 1, None, cpu2, None)

@@ -1,0 +1,128 @@
+"""Tensor parallelism end to end: spawned rank workers, shared-memory collectives, faults.
+
+Multi-process tests, kept small (a tiny float64 Llama, 2 ranks) and bounded by timeouts: a
+stuck rank fails the test instead of hanging CI."""
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fxcompiler import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _prompts(n: int = 16) -> list[list[int]]:
+    return [[1] + [(7 * i + 13 * j) % 250 + 3 for j in range(2 + (5 * i) % 11)] for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from tests.conftest import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("tp") / "llama", "llama", tie_word_embeddings=True))
+
+
+@pytest.fixture(scope="module")
+def tp_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("tp-cache")
+
+
+KW = dict(dtype="float64", max_seq_len_to_capture=128)
+
+
+@pytest.fixture(scope="module")
+def tp_llm(tiny_llama, tp_cache):
+    llm = LLM(tiny_llama, tensor_parallel_size=2, cache_dir=tp_cache, **KW)
+    yield llm
+    llm.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is not alive
+        return f.read().split(")")[-1].split()[0] != "Z"
+
+
+def test_tp2_greedy_tokens_equal_one_process_with_continuous_batching(tiny_llama, tp_llm):
+    ref = LLM(tiny_llama, cache_dir=None, **KW)
+    prompts = _prompts()
+    # mixed lengths and budgets: requests finish at different steps, prefill and decode interleave
+    params = [SamplingParams(temperature=0, max_tokens=4 + (3 * i) % 17, ignore_eos=True) for i in range(16)]
+    want = [o.outputs[0].token_ids for o in ref.generate(None, params, prompt_token_ids=prompts)]
+    got = [o.outputs[0].token_ids for o in tp_llm.generate(None, params, prompt_token_ids=prompts)]
+    assert got == want
+    assert tp_llm.build_info["comm"] == "shm"
+    placements = tp_llm.parallel_plan.placements
+    assert placements and any(v == ["S", 1] for v in placements.values())
+    assert tp_llm.parallel_plan.to_dict()["tp"] == 2
+
+
+def test_shared_memory_all_reduce_is_exact_and_equals_gloo():
+    sys.path.insert(0, str(ROOT / "benchmarks"))  # spawned ranks import the benchmark by name
+    try:
+        bench = importlib.import_module("allreduce")
+        # 1.5 MiB of float64 goes through the 1 MiB slots in two chunks
+        rows = bench.run(world=2, sizes=(8, 16384, 3 << 19), iters=3, dtype="float64", timeout=240)
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    assert [r["bytes"] for r in rows] == [8, 16384, 3 << 19]
+    assert all(r["shm"] for r in rows)
+    assert all(r["exact"] and r["matches_gloo"] for r in rows), rows
+
+
+def test_killed_rank_is_reported_by_rank_and_every_worker_is_reaped(tiny_llama, tp_llm, tp_cache):
+    from runtime.admission import RequestError
+    from runtime.workers import WorkerError
+
+    pids = tp_llm._workers.pids()
+    victim = pids[1]
+    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    timer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
+    timer.start()
+    t0 = time.monotonic()
+    try:
+        # the requests of the failed step carry the WorkerError (main's per-request error isolation)
+        with pytest.raises(RequestError, match=r"WorkerError: rank 1 .*SIGKILL") as info:
+            for _ in range(200):  # keeps stepping until the kill lands
+                tp_llm.generate(None, sp, prompt_token_ids=_prompts())
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 10.5
+    assert isinstance(info.value.cause, WorkerError)
+    with pytest.raises(RequestError, match=r"WorkerError: rank"):  # the dead group fails fast, never hangs
+        tp_llm.generate(None, sp, prompt_token_ids=[[1, 2, 3]])
+    deadline = time.monotonic() + 5
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(p) for p in pids)
+    # a new tensor-parallel LLM starts afterwards (its ranks hit the compile cache)
+    again = LLM(tiny_llama, tensor_parallel_size=2, cache_dir=tp_cache, **KW)
+    try:
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        out = again.generate(None, sp, prompt_token_ids=[[1, 5, 9]])
+        assert len(out[0].outputs[0].token_ids) == 3
+    finally:
+        again.shutdown()
+    assert not any(_alive(p) for p in again._workers.pids())
+
+
+def test_impossible_plans_are_refused_before_any_worker_starts(tiny_llama):
+    from fxcompiler.mppp import PlanError
+
+    with pytest.raises(PlanError, match=r"tensor_parallel_size=3 does not divide the 4 query heads"):
+        LLM(tiny_llama, tensor_parallel_size=3, cache_dir=None, **KW)
+    with pytest.raises(PlanError, match=r"names 2 devices but tensor_parallel_size=4"):
+        LLM(tiny_llama, tensor_parallel_size=4, devices="cpu:0,cpu:1", cache_dir=None, **KW)
