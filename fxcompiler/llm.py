@@ -329,7 +329,7 @@ class LLM:
     def _start_parallel(self, llm_kwargs, config, prefill, decode, block_size, enable_prefix_caching, skip_engine,
                         artifacts_export_path, beams_config) -> None:
         """Tensor parallelism: spawn the rank workers (fxcompiler/parallel_llm.py), then the engine here."""
-        from .parallel_llm import check_model, start_parallel_engine, start_rank_workers
+        from .parallel_llm import check_model, logits_rank, start_parallel_engine, start_rank_workers
 
         if skip_engine or artifacts_export_path is not None:
             raise NotImplementedError("artifacts of a tensor-parallel plan (skip_engine / artifacts_export_path) "
@@ -340,7 +340,8 @@ class LLM:
 
         self.kv_cache_plan = KvCachePlan(**ready["kv"])
         self.geometry = ready["geometry"]
-        self.parallel_plan.placements = dict((ready.get("placements") or {}).get("placements") or {})
+        self.parallel_plan.placements = dict(ready["placements"]["placements"])
+        self.parallel_stages = ready["placements"]["stages"]  # pipeline stages: their [start, stop) blocks
         self.build_info = {**ready["build_info"], "parallel_plan": self.parallel_plan.to_dict(), "comm": ready["comm"]}
         self._rank_pass_history = ready["pass_history"]
         self._build = None
@@ -350,7 +351,7 @@ class LLM:
         self._prefill_buckets, self._decode_buckets = prefill, decode
         self.paged_attention_block_size = block_size
         self.engine = start_parallel_engine(
-            self._workers, kv=self.kv_cache_plan, prefill_buckets=prefill, decode_buckets=decode,
+            self._workers, logits_rank=logits_rank(self.parallel_plan), kv=self.kv_cache_plan, prefill_buckets=prefill, decode_buckets=decode,
             scheduler_config=self.scheduler_config, tokenizer=self.tokenizer, eos_token_ids=self._eos,
             max_context=self.max_seq_len_to_capture)
         self.engine.configure(enable_prefix_caching=enable_prefix_caching, prefill_chunk_size=self.prefill_chunk_size,

@@ -56,15 +56,13 @@ def resolve_plan(tensor_parallel_size: int, pipeline_parallel_size: int, data_pa
         return None
     if any(d.kind == "cuda" for d in devices):
         raise NotImplementedError("tensor parallelism over cuda devices (NCCL) is not built yet; use cpu devices")
-    if pp > 1:
-        raise NotImplementedError(f"pipeline_parallel_size={pp}: pipeline parallelism is not built yet "
-                                  "(tensor parallelism is)")
     if dp > 1:
         raise NotImplementedError(f"data_parallel_size={dp}: data-parallel replicas are not built yet "
-                                  "(tensor parallelism is)")
-    if num_blocks_per_pp_stage is not None:
-        raise NotImplementedError("num_blocks_per_pp_stage: pipeline parallelism is not built yet")
-    return ParallelPlan(tp=tp, pp=pp, dp=dp)
+                                  "(tensor and pipeline parallelism are)")
+    stages = None if num_blocks_per_pp_stage is None else [int(n) for n in num_blocks_per_pp_stage]
+    if stages is not None and len(stages) != pp:
+        raise PlanError(f"num_blocks_per_pp_stage={stages} has {len(stages)} stages but pipeline_parallel_size={pp}")
+    return ParallelPlan(tp=tp, pp=pp, dp=dp, num_blocks_per_pp_stage=stages)
 
 
 def check_model(plan: ParallelPlan, config) -> None:
@@ -75,6 +73,15 @@ def check_model(plan: ParallelPlan, config) -> None:
         raise NotImplementedError(f"tensor parallelism of model_type={getattr(config, 'model_type', '?')!r}: "
                                   "only models with separate q/k/v projections (Llama, Qwen2, Mistral) are sharded")
     check_tensor_parallel(plan.tp, heads, kv, getattr(config, "intermediate_size", None))
+    if plan.pp > 1:
+        from passes.mppp import stage_layers
+
+        stage_layers(int(config.num_hidden_layers), plan.pp, plan.num_blocks_per_pp_stage)  # raises naming the numbers
+
+
+def logits_rank(plan: ParallelPlan) -> int:
+    """The worker rank whose step returns the logits: TP rank 0 of the last pipeline stage."""
+    return (plan.pp - 1) * plan.tp
 
 
 def _free_port() -> int:
@@ -98,7 +105,13 @@ def start_rank_workers(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
     if len(kv) != 1:  # every rank must address the same blocks
         workers.shutdown()
         raise RuntimeError(f"rank workers sized different KV caches: {sorted(kv)} blocks")
-    return workers, reports[0][1]
+    ready = dict(reports[0][1])
+    placements: dict = {}
+    for _, r in reports[::plan.tp]:  # TP rank 0 of every stage: together every parameter
+        placements.update((r.get("placements") or {}).get("placements") or {})
+    ready["placements"] = {"placements": placements,
+                           "stages": [(r.get("placements") or {}).get("stage") for _, r in reports[::plan.tp]]}
+    return workers, ready
 
 
 def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: dict, threads: int) -> None:
@@ -111,12 +124,7 @@ def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: di
     try:
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        group = dist.group.WORLD.group_name
-        comm = "gloo"
-        if plan.get("comm", "shm") == "shm":  # every rank of a spawned group is on this host
-            from backends.cpu.comm import join_shm_group
-
-            comm = "shm" if join_shm_group(group) else "gloo"
+        group, pg, comm = tp_group(ParallelPlan.from_dict(dict(plan)), rank, shm=plan.get("comm", "shm") == "shm")
         from .llm import LLM
 
         llm = LLM(**llm_kwargs, _mppp={"plan": plan, "rank": rank, "group": group})
@@ -135,7 +143,7 @@ def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: di
             with torch.inference_mode():
                 return exes[bucket](ids, pos, *kv.k, *kv.v, table, slots, seq_lens, logits_idx)
 
-        serve_steps(conn, run_step, rank)
+        serve_steps(conn, run_step, rank, sends_logits=rank == logits_rank(ParallelPlan.from_dict(dict(plan))))
     except BaseException as exc:  # noqa: BLE001 - reported to the LLM process, which raises it
         try:
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
@@ -146,7 +154,29 @@ def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: di
             dist.destroy_process_group()
 
 
-def start_parallel_engine(workers, *, kv, prefill_buckets, decode_buckets, scheduler_config, tokenizer,
+def tp_group(plan: ParallelPlan, rank: int, *, shm: bool) -> tuple[str, Any, str]:
+    """``(group name, process group, comm)`` of ``rank``'s tensor-parallel group: the world when
+    there is one pipeline stage, else one new group per stage (created by every rank, in order).
+    ``comm`` is ``"shm"`` when the group joined a shared-memory segment (every rank on this host)."""
+    import torch.distributed as dist
+
+    pg = None
+    if plan.pp > 1:
+        for s in range(plan.pp):  # collective: every rank creates every group
+            g = dist.new_group(list(range(s * plan.tp, (s + 1) * plan.tp)))
+            if s == rank // plan.tp:
+                pg = g
+    pg = pg if pg is not None else dist.group.WORLD
+    name = pg.group_name
+    comm = "gloo"
+    if shm and plan.tp > 1:
+        from backends.cpu.comm import join_shm_group
+
+        comm = "shm" if join_shm_group(name, pg=pg) else "gloo"
+    return name, pg, comm
+
+
+def start_parallel_engine(workers, *, logits_rank: int = 0, kv, prefill_buckets, decode_buckets, scheduler_config, tokenizer,
                           eos_token_ids, max_context):
     """The ``LLM`` process's engine: scheduler, block manager and sampler here, steps in the ranks."""
     from runtime.block_manager import BlockManager
@@ -156,5 +186,5 @@ def start_parallel_engine(workers, *, kv, prefill_buckets, decode_buckets, sched
 
     blocks = BlockManager(kv.num_blocks, kv.block_size, kv.max_seqs, kv.max_blocks_per_seq)
     scheduler = Scheduler(scheduler_config, blocks, prefill_buckets, decode_buckets)
-    runner = ParallelModelRunner(workers, blocks, STEP_TIMEOUT_S)
+    runner = ParallelModelRunner(workers, blocks, STEP_TIMEOUT_S, logits_rank=logits_rank)
     return Engine(runner, scheduler, tokenizer, eos_token_ids, max_context)

@@ -59,23 +59,165 @@ class MpppShardPass:
         plan = ParallelPlan.from_dict(dict(spec["plan"]))
         rank, group = int(spec["rank"]), str(spec["group"])
         _dp_rank, _pp_rank, tp_rank = plan.mesh.coords(rank)
-        if plan.pp > 1:
-            raise NotImplementedError(f"pipeline_parallel_size={plan.pp}: stage cutting is not built yet "
-                                      "(only tensor parallelism shards graphs today)")
-        if plan.tp == 1:
+        if plan.tp == 1 and plan.pp == 1:
             gm.meta["mppp"] = plan.to_dict()
             return PassResult(gm, False, {"tp": 1})
-        sharder = _Sharder(gm, ctx, plan.tp, tp_rank, group)
-        placements = sharder.run()
-        plan.placements = placements
-        gm.meta["mppp"] = {**plan.to_dict(), "rank": rank, "group": group}
-        ctx.geometry = dataclasses.replace(ctx.geometry, num_kv_heads=sharder.layout.kv_heads)
+        info: dict = {"tp": plan.tp, "pp": plan.pp, "rank": rank, "group": group}
+        if plan.tp > 1:
+            sharder = _Sharder(gm, ctx, plan.tp, tp_rank, group)
+            plan.placements = sharder.run()
+            ctx.geometry = dataclasses.replace(ctx.geometry, num_kv_heads=sharder.layout.kv_heads)
+            info.update(sharded=sum(1 for p in plan.placements.values() if p[0] == "S"),
+                        collectives=sharder.collectives)
+        stage = None
+        if plan.pp > 1:
+            stage = cut_stage(gm, ctx, plan, rank)
+            info.update(stage=stage["stage"], layers=stage["layers"])
+            plan.placements = {k: plan.placements.get(k, Replicate().to_json()) for k in ctx.params}
+        gm.meta["mppp"] = {**plan.to_dict(), "rank": rank, "group": group, "stage": stage}
         gm.graph.lint()
         gm.recompile()
         propagate_fake_shapes(gm, "mppp")
-        return PassResult(gm, True, {"tp": plan.tp, "rank": rank, "group": group,
-                                     "sharded": sum(1 for p in placements.values() if p[0] == "S"),
-                                     "collectives": sharder.collectives})
+        return PassResult(gm, True, info)
+
+
+def stage_layers(num_layers: int, pp: int, num_blocks_per_pp_stage=None) -> list[tuple[int, int]]:
+    """``[start, stop)`` layers of each pipeline stage: ``num_blocks_per_pp_stage`` if given, else an
+    equal split (the first ``num_layers % pp`` stages take one more). Errors name the numbers."""
+    from fxcompiler.mppp import PlanError
+
+    if pp > num_layers:
+        raise PlanError(f"pipeline_parallel_size={pp} needs at least {pp} blocks; the model has {num_layers}")
+    if num_blocks_per_pp_stage is None:
+        sizes = [num_layers // pp + (1 if s < num_layers % pp else 0) for s in range(pp)]
+    else:
+        sizes = [int(n) for n in num_blocks_per_pp_stage]
+        if len(sizes) != pp:
+            raise PlanError(f"num_blocks_per_pp_stage={sizes} has {len(sizes)} stages but "
+                            f"pipeline_parallel_size={pp}")
+        if any(n < 1 for n in sizes) or sum(sizes) != num_layers:
+            raise PlanError(f"num_blocks_per_pp_stage={sizes} must be positive and sum to the model's "
+                            f"{num_layers} blocks (sums to {sum(sizes)})")
+    out, start = [], 0
+    for n in sizes:
+        out.append((start, start + n))
+        start += n
+    return out
+
+
+def cut_stage(gm: GraphModule, ctx: CompileContext, plan: ParallelPlan, rank: int) -> dict:
+    """Keep pipeline stage ``pp_rank``'s blocks of the graph (blockwise boundaries): a later stage
+    receives the residual stream entering its first block (``fxc::pp_recv`` from the same TP rank of
+    the previous stage) instead of computing the embedding and earlier blocks; an earlier stage sends
+    the residual stream leaving its last block (``fxc::pp_send``) and returns instead of computing
+    later blocks and the head. Unused parameters and other stages' KV caches leave the signature;
+    the stage's KV caches are renumbered from 0 (``ctx.geometry.num_layers`` becomes the stage's)."""
+    from passes.blockwise import _CACHE_RE, discover_layer_prefix
+
+    _dp, pp_rank, _tp = plan.mesh.coords(rank)
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    specs = {s.name: s for s in ctx.input_specs}
+    found = discover_layer_prefix([s.target for s in ctx.input_specs if s.kind == "param"],
+                                  ctx.geometry.num_layers)
+    if found is None:
+        raise NotImplementedError("pipeline parallelism needs a '<prefix>.<int>.' block structure in the "
+                                  "parameter names")
+    prefix, layer_ids = found
+    num_layers = len(layer_ids)
+    bounds = stage_layers(num_layers, plan.pp, plan.num_blocks_per_pp_stage)
+    a, b = bounds[pp_rank]
+    prefix_re = re.compile(rf"^{re.escape(prefix)}\.(\d+)\.")
+
+    def layer_of_input(n: Node) -> int | None:
+        spec = specs.get(n.name) if n.op == "placeholder" else None
+        if spec is None:
+            return None
+        if spec.kind == "param":
+            m = prefix_re.match(spec.target)
+            return layer_ids.index(int(m.group(1))) if m and int(m.group(1)) in layer_ids else None
+        m = _CACHE_RE.match(spec.target)
+        return int(m.group(2)) if m else None
+
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    stream: set[Node] = set()  # nodes on the residual stream (depend on the token embedding)
+    ids_node = None
+    for n in nodes:
+        if n.op == "placeholder" and specs.get(n.name) is not None and specs[n.name].target == "input_ids":
+            ids_node = n
+        if n.op != "call_function":
+            continue
+        layers = {layer_of_input(x) for x in n.all_input_nodes} - {None}
+        for layer in layers:
+            first.setdefault(layer, index[n])
+            last[layer] = index[n]
+        if n.target is aten.embedding.default or any(x in stream for x in n.all_input_nodes):
+            stream.add(n)
+
+    def boundary(layer: int) -> Node:
+        """The one residual-stream value live between block ``layer - 1`` and block ``layer``."""
+        for q in range(last[layer - 1], first[layer]):
+            live = [n for n in stream if index[n] <= q and any(index[u] > q for u in n.users)]
+            if len(live) == 1:
+                return live[0]
+        raise NotImplementedError(f"pipeline parallelism: no single residual-stream value between blocks "
+                                  f"{layer - 1} and {layer}")
+
+    output = next(n for n in nodes if n.op == "output")
+    if b < num_layers:  # send the stream leaving block b - 1 and stop
+        h = boundary(b)
+        with graph.inserting_after(h):
+            sent = graph.call_function(torch.ops.fxc.pp_send.default, (h, rank + plan.tp))
+        logits = output.args[0][0] if isinstance(output.args[0], (tuple, list)) else output.args[0]
+        lv = logits.meta.get("val")
+        with graph.inserting_after(sent):  # zero logits rows: the graph keeps its output's dtype and rank
+            empty = graph.call_function(aten.new_zeros.default, (sent, [0] * lv.dim()), {"dtype": lv.dtype})
+        sent.meta["fxc_pass"] = empty.meta["fxc_pass"] = "mppp"
+        output.args = ((empty,),)
+    if a > 0:  # receive the stream entering block a
+        h = boundary(a)
+        val = h.meta.get("val")
+        if ids_node is None or not isinstance(val, torch.Tensor) or val.dim() != ids_node.meta["val"].dim() + 1:
+            raise NotImplementedError("pipeline parallelism: the residual stream must be [*input_ids.shape, hidden]")
+        with graph.inserting_after(h):
+            got = graph.call_function(torch.ops.fxc.pp_recv.default,
+                                      (ids_node, int(val.shape[-1]), val.dtype, rank - plan.tp))
+        got.meta["fxc_pass"] = "mppp"
+        h.replace_all_uses_with(got)
+    keep: set[Node] = set()
+    todo = [output]
+    while todo:
+        n = todo.pop()
+        if n in keep:
+            continue
+        keep.add(n)
+        todo.extend(n.all_input_nodes)
+    for n in reversed(list(graph.nodes)):
+        if n.op == "placeholder" or n in keep:
+            continue
+        graph.erase_node(n)
+    new_specs = []
+    for s in ctx.input_specs:
+        node = next((n for n in graph.nodes if n.op == "placeholder" and n.name == s.name), None)
+        m = _CACHE_RE.match(s.target) if s.kind == "user" else None
+        if m is not None:
+            layer = int(m.group(2))
+            if not a <= layer < b:
+                if node is not None:
+                    graph.erase_node(node)
+                continue
+            s = dataclasses.replace(s, target=f"{m.group(1)}_cache_{layer - a}")
+        elif s.kind == "param" and node is not None and not node.users:
+            graph.erase_node(node)
+            ctx.params.pop(s.target, None)
+            continue
+        new_specs.append(s)
+    ctx.input_specs[:] = new_specs
+    ctx.geometry = dataclasses.replace(ctx.geometry, num_layers=b - a)
+    return {"stage": pp_rank, "layers": [a, b], "bounds": [list(x) for x in bounds],
+            "sends_to": rank + plan.tp if b < num_layers else None, "receives_from": rank - plan.tp if a > 0 else None}
 
 
 class _Sharder:

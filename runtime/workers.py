@@ -181,10 +181,11 @@ class RemoteKVCache:
 class ParallelModelRunner(ModelRunner):
     """:class:`ModelRunner` whose step runs in the rank workers (inputs broadcast, logits from rank 0)."""
 
-    def __init__(self, workers: WorkerGroup, blocks: BlockManager, step_timeout: float = 600.0):
+    def __init__(self, workers: WorkerGroup, blocks: BlockManager, step_timeout: float = 600.0, logits_rank: int = 0):
         super().__init__({}, RemoteKVCache(blocks.num_blocks, blocks.block_size), blocks, torch.device("cpu"))
         self.workers = workers
         self.step_timeout = step_timeout
+        self.logits_rank = logits_rank  # TP rank 0 of the last pipeline stage
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.kv.copy_blocks(self.blocks.take_pending_copies())
@@ -192,7 +193,7 @@ class ParallelModelRunner(ModelRunner):
         copies, self.kv.pending = self.kv.pending, []
         arrays = [t.numpy() for t in inputs]
         self.workers.send_all(("step", batch.bucket, arrays, copies))
-        msg = self.workers.recv(0, self.step_timeout)
+        msg = self.workers.recv(self.logits_rank, self.step_timeout)
         return torch.from_numpy(msg[1])
 
 
@@ -209,9 +210,11 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def serve_steps(conn, run_step: Callable[[Any, list[np.ndarray], list], torch.Tensor | None], rank: int) -> None:
-    """A worker's loop: run each ``("step", bucket, arrays, copies)``; rank 0 answers with the
-    logits. Exceptions are reported to the driver as ``("error", text)`` before exiting."""
+def serve_steps(conn, run_step: Callable[[Any, list[np.ndarray], list], torch.Tensor | None], rank: int,
+                sends_logits: bool | None = None) -> None:
+    """A worker's loop: run each ``("step", bucket, arrays, copies)``; the logits rank (default rank 0)
+    answers with the logits. Exceptions are reported to the driver as ``("error", text)`` before exiting."""
+    sends_logits = rank == 0 if sends_logits is None else sends_logits
     import traceback
 
     while True:
@@ -225,7 +228,7 @@ def serve_steps(conn, run_step: Callable[[Any, list[np.ndarray], list], torch.Te
             if msg[0] != "step":
                 raise ValueError(f"unknown message {msg[0]!r}")
             out = run_step(msg[1], msg[2], msg[3])
-            if rank == 0:
+            if sends_logits:
                 conn.send(("logits", out.numpy()))
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fxcompiler import LLM, SamplingParams
+from fxcompiler import LLM, ManualBucketConfig, SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -37,7 +37,18 @@ def tp_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tp-cache")
 
 
-KW = dict(dtype="float64", max_seq_len_to_capture=128)
+# few buckets: every rank compiles each one (cost), and they still batch the 16 mixed requests
+KW = dict(dtype="float64", max_seq_len_to_capture=64,
+          bucket_config=ManualBucketConfig(prefill_buckets=[(1, 16), (4, 16)], decode_buckets=[(4, 64), (16, 64)]))
+# mixed lengths and budgets: requests finish at different steps, prefill and decode interleave
+PARAMS = [SamplingParams(temperature=0, max_tokens=4 + (3 * i) % 17, ignore_eos=True) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, tp_cache):
+    """One process's greedy tokens for the 16 mixed requests."""
+    with LLM(tiny_llama, cache_dir=tp_cache, **KW) as ref:
+        return [o.outputs[0].token_ids for o in ref.generate(None, PARAMS, prompt_token_ids=_prompts())]
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +67,9 @@ def _alive(pid: int) -> bool:
         return f.read().split(")")[-1].split()[0] != "Z"
 
 
-def test_tp2_greedy_tokens_equal_one_process_with_continuous_batching(tiny_llama, tp_llm):
-    ref = LLM(tiny_llama, cache_dir=None, **KW)
-    prompts = _prompts()
-    # mixed lengths and budgets: requests finish at different steps, prefill and decode interleave
-    params = [SamplingParams(temperature=0, max_tokens=4 + (3 * i) % 17, ignore_eos=True) for i in range(16)]
-    want = [o.outputs[0].token_ids for o in ref.generate(None, params, prompt_token_ids=prompts)]
-    got = [o.outputs[0].token_ids for o in tp_llm.generate(None, params, prompt_token_ids=prompts)]
-    assert got == want
+def test_tp2_greedy_tokens_equal_one_process_with_continuous_batching(reference, tp_llm):
+    got = [o.outputs[0].token_ids for o in tp_llm.generate(None, PARAMS, prompt_token_ids=_prompts())]
+    assert got == reference
     assert tp_llm.build_info["comm"] == "shm"
     placements = tp_llm.parallel_plan.placements
     assert placements and any(v == ["S", 1] for v in placements.values())
@@ -89,7 +95,7 @@ def test_killed_rank_is_reported_by_rank_and_every_worker_is_reaped(tiny_llama, 
 
     pids = tp_llm._workers.pids()
     victim = pids[1]
-    sp = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True)
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     timer = threading.Timer(0.5, os.kill, (victim, signal.SIGKILL))
     timer.start()
     t0 = time.monotonic()
@@ -126,3 +132,29 @@ def test_impossible_plans_are_refused_before_any_worker_starts(tiny_llama):
         LLM(tiny_llama, tensor_parallel_size=3, cache_dir=None, **KW)
     with pytest.raises(PlanError, match=r"names 2 devices but tensor_parallel_size=4"):
         LLM(tiny_llama, tensor_parallel_size=4, devices="cpu:0,cpu:1", cache_dir=None, **KW)
+
+
+def test_pp2_greedy_tokens_equal_one_process_and_stages_hold_their_blocks(tiny_llama, tp_cache, reference):
+    with LLM(tiny_llama, pipeline_parallel_size=2, cache_dir=tp_cache, **KW) as pp:
+        pids = pp._workers.pids()
+        got = [o.outputs[0].token_ids for o in pp.generate(None, PARAMS, prompt_token_ids=_prompts())]
+        assert got == reference
+        assert [st["layers"] for st in pp.parallel_stages] == [[0, 1], [1, 2]]
+        assert pp.parallel_plan.to_dict()["pp"] == 2
+        # stage 0 holds the embedding, stage 1 the final norm and lm_head; each its own block
+        names = set(pp.parallel_plan.placements)
+        assert any("layers.0." in n for n in names) and any("layers.1." in n for n in names)
+        assert pp.kv_cache_plan.num_blocks >= 2
+    assert not any(_alive(p) for p in pids)  # the context manager's shutdown() reaped both stages
+
+
+def test_more_stages_than_blocks_and_bad_stage_sizes_name_the_numbers(tiny_llama):
+    from fxcompiler.mppp import PlanError
+
+    with pytest.raises(PlanError, match=r"pipeline_parallel_size=3 needs at least 3 blocks; the model has 2"):
+        LLM(tiny_llama, pipeline_parallel_size=3, cache_dir=None, **KW)
+    with pytest.raises(PlanError, match=r"num_blocks_per_pp_stage=\[2, 1\] must be positive and sum to the "
+                                        r"model's 2 blocks \(sums to 3\)"):
+        LLM(tiny_llama, pipeline_parallel_size=2, num_blocks_per_pp_stage=[2, 1], cache_dir=None, **KW)
+    with pytest.raises(PlanError, match=r"has 1 stages but pipeline_parallel_size=2"):
+        LLM(tiny_llama, pipeline_parallel_size=2, num_blocks_per_pp_stage=[2], cache_dir=None, **KW)

@@ -67,7 +67,7 @@ def join_shm_group(group_name: str, *, slot_bytes: int = DEFAULT_SLOT_BYTES, pg=
             os.ftruncate(fd, size)
         finally:
             os.close(fd)
-    dist.broadcast_object_list(path, src=0, group=pg)
+    dist.broadcast_object_list(path, src=dist.get_global_rank(pg, 0) if pg is not None else 0, group=pg)
     try:
         mod.join(group_name, path[0], rank, world, slot_bytes)
     finally:

@@ -49,3 +49,44 @@ _lib.impl("all_gather", all_gather_reference, "CompositeExplicitAutograd")
 
 all_reduce = torch.ops.fxc.all_reduce.default
 all_gather = torch.ops.fxc.all_gather.default
+
+
+# -- pipeline parallel: hidden states sent rank to rank ------------------------------------------------
+# ``fxc::pp_send(Tensor x, int dst) -> Tensor``: send ``x`` to global rank ``dst`` of the default
+# process group; returns an empty tensor (the stage's graph output). ``fxc::pp_recv(Tensor ids, int
+# hidden, ScalarType dtype, int src) -> Tensor``: receive a ``[*ids.shape, hidden]`` tensor from ``src``
+# (``ids`` only gives the step's batch and token counts). Point-to-point c10d (gloo on CPU).
+_lib.define("pp_send(Tensor x, int dst) -> Tensor")
+_lib.define("pp_recv(Tensor ids, int hidden, ScalarType dtype, int src) -> Tensor")
+
+
+@torch.library.register_fake("fxc::pp_send", lib=_lib)
+def _pp_send_fake(x, dst):
+    return x.new_empty((0,))
+
+
+@torch.library.register_fake("fxc::pp_recv", lib=_lib)
+def _pp_recv_fake(ids, hidden, dtype, src):
+    return ids.new_empty((*ids.shape, hidden), dtype=dtype)
+
+
+def pp_send_reference(x: torch.Tensor, dst: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    dist.send(x.contiguous(), dst)
+    return x.new_empty((0,))
+
+
+def pp_recv_reference(ids: torch.Tensor, hidden: int, dtype: torch.dtype, src: int) -> torch.Tensor:
+    import torch.distributed as dist
+
+    out = torch.empty((*ids.shape, hidden), dtype=dtype, device=ids.device)
+    dist.recv(out, src)
+    return out
+
+
+_lib.impl("pp_send", pp_send_reference, "CompositeExplicitAutograd")
+_lib.impl("pp_recv", pp_recv_reference, "CompositeExplicitAutograd")
+
+pp_send = torch.ops.fxc.pp_send.default
+pp_recv = torch.ops.fxc.pp_recv.default
