@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import queue
 import logging
 import os
@@ -285,7 +286,8 @@ class LLM:
         # -- build ---------------------------------------------------------------------------------
         from .build import ProgramRequest, build, compile_program, plan_kv_cache
 
-        if self.parallel_plan is not None:  # the ranks build their shards; this process schedules
+        if self.parallel_plan is not None and self.parallel_plan.tp * self.parallel_plan.pp > 1:
+            # the ranks build their shards; this process schedules (data-parallel replicas: one group each)
             self._start_parallel(llm_kwargs, loaded.config, prefill, decode, paged_attention_block_size,
                                  enable_prefix_caching, skip_engine, artifacts_export_path,
                                  kv_cache_sharing_across_beams_config)
@@ -335,7 +337,20 @@ class LLM:
             raise NotImplementedError("artifacts of a tensor-parallel plan (skip_engine / artifacts_export_path) "
                                       "are not built yet; build without tensor_parallel_size")
         check_model(self.parallel_plan, config)
-        self._workers, ready = start_rank_workers(self.parallel_plan, llm_kwargs)  # reaped by shutdown()
+        from runtime.workers import WorkerGroups
+
+        replica_plan = dataclasses.replace(self.parallel_plan, dp=1)
+        self._workers = WorkerGroups()  # reaped by shutdown()
+        readies = []
+        try:
+            for _ in range(self.parallel_plan.dp):
+                group, ready = start_rank_workers(replica_plan, llm_kwargs)
+                self._workers.append(group)
+                readies.append(ready)
+        except BaseException:
+            self._workers.shutdown()
+            raise
+        ready = readies[0]
         from .build import KvCachePlan
 
         self.kv_cache_plan = KvCachePlan(**ready["kv"])
@@ -350,10 +365,12 @@ class LLM:
         self._eos = self._eos_token_ids()
         self._prefill_buckets, self._decode_buckets = prefill, decode
         self.paged_attention_block_size = block_size
-        self.engine = start_parallel_engine(
-            self._workers, logits_rank=logits_rank(self.parallel_plan), kv=self.kv_cache_plan, prefill_buckets=prefill, decode_buckets=decode,
-            scheduler_config=self.scheduler_config, tokenizer=self.tokenizer, eos_token_ids=self._eos,
-            max_context=self.max_seq_len_to_capture)
+        engines = [start_parallel_engine(
+            group, logits_rank=logits_rank(self.parallel_plan), kv=KvCachePlan(**r["kv"]), prefill_buckets=prefill,
+            decode_buckets=decode, scheduler_config=self.scheduler_config, tokenizer=self.tokenizer,
+            eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
+            for group, r in zip(self._workers.groups, readies)]
+        self.engine = self._route(engines)
         self.engine.configure(enable_prefix_caching=enable_prefix_caching, prefill_chunk_size=self.prefill_chunk_size,
                               kv_cache_sharing_across_beams=beams_config)
         self._start_driver()
@@ -382,15 +399,25 @@ class LLM:
 
         self.engine = None
         if not skip_engine:
-            self.engine = start_engine(
+            plan = self.__dict__.get("parallel_plan")
+            self.engine = self._route([start_engine(
                 self.geometry, self._build, prefill_buckets=self._prefill_buckets,
                 decode_buckets=self._decode_buckets, scheduler_config=self.scheduler_config, kv=self.kv_cache_plan,
                 device=self._device, tokenizer=self.tokenizer, eos_token_ids=self._eos,
-                max_context=self.max_seq_len_to_capture)
+                max_context=self.max_seq_len_to_capture) for _ in range(plan.dp if plan is not None else 1)])
             self.engine.configure(enable_prefix_caching=enable_prefix_caching,
                                   prefill_chunk_size=self.prefill_chunk_size,
                                   kv_cache_sharing_across_beams=kv_cache_sharing_across_beams_config)
         self._start_driver()
+
+    @staticmethod
+    def _route(engines: list):
+        """One engine, or data-parallel replicas behind a least-loaded router (runtime/router.py)."""
+        if len(engines) == 1:
+            return engines[0]
+        from runtime.router import ReplicaRouter
+
+        return ReplicaRouter(engines)
 
     def _start_driver(self) -> None:
         """The engine's driver thread and request bookkeeping; registers the LLM for shutdown at exit."""

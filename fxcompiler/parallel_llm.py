@@ -56,9 +56,6 @@ def resolve_plan(tensor_parallel_size: int, pipeline_parallel_size: int, data_pa
         return None
     if any(d.kind == "cuda" for d in devices):
         raise NotImplementedError("tensor parallelism over cuda devices (NCCL) is not built yet; use cpu devices")
-    if dp > 1:
-        raise NotImplementedError(f"data_parallel_size={dp}: data-parallel replicas are not built yet "
-                                  "(tensor and pipeline parallelism are)")
     stages = None if num_blocks_per_pp_stage is None else [int(n) for n in num_blocks_per_pp_stage]
     if stages is not None and len(stages) != pp:
         raise PlanError(f"num_blocks_per_pp_stage={stages} has {len(stages)} stages but pipeline_parallel_size={pp}")

@@ -163,6 +163,23 @@ class WorkerGroup:
         return [p.pid for p in self.procs]
 
 
+class WorkerGroups:
+    """The worker groups of a plan's data-parallel replicas (one group each), reaped together."""
+
+    def __init__(self):
+        self.groups: list[WorkerGroup] = []
+
+    def append(self, group: WorkerGroup) -> None:
+        self.groups.append(group)
+
+    def shutdown(self, timeout: float = 5.0) -> None:
+        for g in self.groups:
+            g.shutdown(timeout)
+
+    def pids(self) -> list[int]:
+        return [p for g in self.groups for p in g.pids()]
+
+
 class RemoteKVCache:
     """Stands in for :class:`~runtime.block_manager.PagedKVCache` in the ``LLM`` process: the
     caches live in the rank workers, so the step inputs carry no cache tensors and the

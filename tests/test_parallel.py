@@ -158,3 +158,17 @@ def test_more_stages_than_blocks_and_bad_stage_sizes_name_the_numbers(tiny_llama
         LLM(tiny_llama, pipeline_parallel_size=2, num_blocks_per_pp_stage=[2, 1], cache_dir=None, **KW)
     with pytest.raises(PlanError, match=r"has 1 stages but pipeline_parallel_size=2"):
         LLM(tiny_llama, pipeline_parallel_size=2, num_blocks_per_pp_stage=[2], cache_dir=None, **KW)
+
+
+def test_dp2_replicas_behind_the_router_give_one_process_tokens(tiny_llama, tp_cache, reference):
+    with LLM(tiny_llama, data_parallel_size=2, cache_dir=tp_cache, **KW) as dp:
+        from runtime.router import ReplicaRouter
+
+        assert isinstance(dp.engine, ReplicaRouter) and len(dp.engine.replicas) == 2
+        got = [o.outputs[0].token_ids for o in dp.generate(None, PARAMS, prompt_token_ids=_prompts())]
+        assert got == reference
+        assert min(dp.engine.routed) >= 4, dp.engine.routed  # both replicas served a share of the 16
+        assert dp.engine.replicas[0].runner.kv is not dp.engine.replicas[1].runner.kv  # a KV cache each
+    # devices name the replicas (dp inferred from the devices and tp x pp)
+    with LLM(tiny_llama, devices="cpu:0,cpu:1", cache_dir=tp_cache, **KW) as dp:
+        assert dp.parallel_plan.dp == 2 and len(dp.engine.replicas) == 2

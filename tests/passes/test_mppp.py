@@ -212,11 +212,10 @@ def test_llm_arguments_resolve_to_a_plan_or_name_the_numbers():
     assert (plan.pp, plan.num_blocks_per_pp_stage) == (2, [1, 1])
     with pytest.raises(PlanError, match=r"num_blocks_per_pp_stage=\[1, 1, 1\] has 3 stages but pipeline_parallel_size=2"):
         resolve_plan(1, 2, None, parse_devices("cpu"), [1, 1, 1])
-    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
-        resolve_plan(1, 1, 2, parse_devices("cpu"), None)
-    # dp inferred from the devices and tp x pp (furiosa's mesh rule)
-    with pytest.raises(NotImplementedError, match="data_parallel_size=2"):
-        resolve_plan(1, 1, None, cpu2, None)
+    assert resolve_plan(1, 1, 2, parse_devices("cpu"), None).dp == 2
+    assert resolve_plan(1, 1, None, cpu2, None).dp == 2  # dp inferred from the devices and tp x pp (furiosa)
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive int, got 0"):
+        resolve_plan(1, 1, 0, parse_devices("cpu"), None)
 
 
 def test_pipeline_stages_together_compute_the_unsharded_graph():

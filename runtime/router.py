@@ -1,0 +1,90 @@
+"""Data parallelism: ``data_parallel_size`` replicas, each a full engine, behind one router.
+
+:class:`ReplicaRouter` stands where one :class:`~runtime.engine.Engine` stands (the ``LLM``'s
+driver and lifecycle use the same methods). A new request goes to the least-loaded replica,
+the load being its queued tokens: for every unfinished sequence, the prompt tokens not yet in
+its KV cache plus the tokens it may still generate (``max_tokens`` less what it produced);
+ties go to the lowest index.
+A step steps every replica that has work and returns their outputs together. Each replica owns
+its scheduler, block manager and KV cache (in-process, or in its own rank workers when the
+replica is itself tensor/pipeline parallel).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from fxcompiler.outputs import RequestOutput
+from fxcompiler.sampling_params import SamplingParams
+
+
+class _Requests(dict):
+    """The union of the replicas' request tables (read by ``LLM.shutdown`` to abort them all)."""
+
+
+class ReplicaRouter:
+    def __init__(self, replicas: list[Any]):
+        if not replicas:
+            raise ValueError("a ReplicaRouter needs at least one replica")
+        self.replicas = list(replicas)
+        self._where: dict[str, int] = {}  # request id -> its replica
+        self.routed = [0] * len(self.replicas)  # requests each replica received (introspection)
+
+    # -- the Engine interface the LLM uses ---------------------------------------------------------
+    def configure(self, **kwargs) -> None:
+        for r in self.replicas:
+            r.configure(**kwargs)
+
+    def check_params(self, params: SamplingParams) -> None:
+        self.replicas[0].check_params(params)
+
+    @property
+    def requests(self) -> dict:
+        out = _Requests()
+        for r in self.replicas:
+            out.update(r.requests)
+        return out
+
+    @property
+    def runner(self):
+        return self.replicas[0].runner
+
+    def loads(self) -> list[int]:
+        """Queued tokens of each replica: what its unfinished sequences still have to compute
+        (prompt tokens not in the KV cache, plus ``max_tokens`` less what they generated)."""
+        load = []
+        for r in self.replicas:
+            total = 0
+            for st in list(r.requests.values()):
+                for s in getattr(st, "seqs", ()):
+                    if not s.is_finished:
+                        total += s.num_uncomputed + max(0, int(s.params.max_tokens or 0) - len(s.output_token_ids))
+            load.append(total)
+        return load
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        if request_id in self._where:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        load = self.loads()
+        i = min(range(len(self.replicas)), key=lambda k: (load[k], k))
+        self.replicas[i].add_request(request_id, prompt_token_ids, params, prompt)
+        self._where[request_id] = i
+        self.routed[i] += 1
+
+    def abort_request(self, request_id: str) -> None:
+        i = self._where.pop(request_id, None)
+        if i is not None:
+            self.replicas[i].abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return any(r.has_unfinished_requests() for r in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        outs: list[RequestOutput] = []
+        for r in self.replicas:
+            if r.has_unfinished_requests():
+                outs.extend(r.step())
+        for out in outs:
+            if out.finished:
+                self._where.pop(out.request_id, None)
+        return outs
