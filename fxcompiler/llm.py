@@ -341,9 +341,16 @@ class LLM:
 
         replica_plan = dataclasses.replace(self.parallel_plan, dp=1)
         self._workers = WorkerGroups()  # reaped by shutdown()
-        readies = []
+        readies, steps = [], []
+        from .multihost import start_torchrun, torchrun_env
+
         try:
-            for _ in range(self.parallel_plan.dp):
+            if torchrun_env() is not None:  # several hosts: this is rank 0 (the others serve inside LLM())
+                peers, ready, step = start_torchrun(self.parallel_plan, llm_kwargs)
+                self._workers.append(peers)
+                readies.append(ready)
+                steps.append(step)
+            for _ in range(self.parallel_plan.dp if not steps else 0):
                 group, ready = start_rank_workers(replica_plan, llm_kwargs)
                 self._workers.append(group)
                 readies.append(ready)
@@ -369,7 +376,7 @@ class LLM:
             group, logits_rank=logits_rank(self.parallel_plan), kv=KvCachePlan(**r["kv"]), prefill_buckets=prefill,
             decode_buckets=decode, scheduler_config=self.scheduler_config, tokenizer=self.tokenizer,
             eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
-            for group, r in zip(self._workers.groups, readies)]
+            for group, r in zip(steps or self._workers.groups, readies)]
         self.engine = self._route(engines)
         self.engine.configure(enable_prefix_caching=enable_prefix_caching, prefill_chunk_size=self.prefill_chunk_size,
                               kv_cache_sharing_across_beams=beams_config)

@@ -183,5 +183,10 @@ def start_parallel_engine(workers, *, logits_rank: int = 0, kv, prefill_buckets,
 
     blocks = BlockManager(kv.num_blocks, kv.block_size, kv.max_seqs, kv.max_blocks_per_seq)
     scheduler = Scheduler(scheduler_config, blocks, prefill_buckets, decode_buckets)
-    runner = ParallelModelRunner(workers, blocks, STEP_TIMEOUT_S, logits_rank=logits_rank)
+    if callable(workers):  # torchrun's rank 0: a step function (fxcompiler/multihost.py)
+        from runtime.workers import LocalStepRunner
+
+        runner = LocalStepRunner(workers, blocks)
+    else:
+        runner = ParallelModelRunner(workers, blocks, STEP_TIMEOUT_S, logits_rank=logits_rank)
     return Engine(runner, scheduler, tokenizer, eos_token_ids, max_context)

@@ -180,6 +180,21 @@ class WorkerGroups:
         return [p for g in self.groups for p in g.pids()]
 
 
+class LocalStepRunner(ModelRunner):
+    """:class:`ModelRunner` whose step is a function of ``(bucket, arrays, copies)`` (torchrun's rank 0:
+    broadcast to the other ranks, then run its own shard)."""
+
+    def __init__(self, step: Callable, blocks: BlockManager):
+        super().__init__({}, RemoteKVCache(blocks.num_blocks, blocks.block_size), blocks, torch.device("cpu"))
+        self.step_fn = step
+
+    def execute(self, batch: ScheduledBatch) -> torch.Tensor:
+        self.kv.copy_blocks(self.blocks.take_pending_copies())
+        inputs = self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch)
+        copies, self.kv.pending = self.kv.pending, []
+        return self.step_fn(batch.bucket, [t.numpy() for t in inputs], copies)
+
+
 class RemoteKVCache:
     """Stands in for :class:`~runtime.block_manager.PagedKVCache` in the ``LLM`` process: the
     caches live in the rank workers, so the step inputs carry no cache tensors and the

@@ -172,3 +172,37 @@ def test_dp2_replicas_behind_the_router_give_one_process_tokens(tiny_llama, tp_c
     # devices name the replicas (dp inferred from the devices and tp x pp)
     with LLM(tiny_llama, devices="cpu:0,cpu:1", cache_dir=tp_cache, **KW) as dp:
         assert dp.parallel_plan.dp == 2 and len(dp.engine.replicas) == 2
+
+
+def test_torchrun_two_loopback_hosts_match_one_process(tiny_llama, tp_cache, reference, tmp_path):
+    """docs/parallelism.md's recipe: two torchrun "hosts" (one rank each, separate torchrun
+    processes, env:// rendezvous on 127.0.0.1) run examples/torchrun_generate.py with tp=2."""
+    import json
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    req = tmp_path / "requests.json"
+    req.write_text(json.dumps({"prompt_token_ids": _prompts(), "max_tokens": [p.max_tokens for p in PARAMS],
+                               "llm": {"dtype": "float64", "max_seq_len_to_capture": 64,
+                                       "buckets": [[[1, 16], [4, 16]], [[4, 64], [16, 64]]]}}))
+    out = tmp_path / "tokens.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node",
+         "1", "--master-addr", "127.0.0.1", "--master-port", str(port), str(ROOT / "examples" / "torchrun_generate.py"),
+         "--model", tiny_llama, "--tp", "2", "--requests", str(req), "--out", str(out), "--cache-dir", str(tp_cache)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    got = json.loads(out.read_text())
+    assert got["tokens"] == reference
+    assert got["comm"] == "gloo" and got["plan"]["tp"] == 2

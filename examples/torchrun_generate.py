@@ -1,0 +1,46 @@
+"""The multi-host recipe of docs/parallelism.md: the same program on every host under torchrun.
+
+    torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --master-addr HOST0 --master-port 29500 \\
+        examples/torchrun_generate.py --model MODEL --tp 2 --requests requests.json --out tokens.json
+
+Every rank builds its shard inside ``LLM(...)``; ranks other than 0 serve steps there and exit
+when rank 0's LLM shuts down, so only rank 0 runs the code after it. ``--requests`` is a JSON
+``{"prompt_token_ids": [[...], ...], "max_tokens": [...], "llm": {extra LLM kwargs}}``; greedy
+tokens go to ``--out`` (rank 0).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--requests", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--cache-dir", default=None)
+    args = ap.parse_args()
+
+    from fxcompiler import LLM, ManualBucketConfig, SamplingParams
+
+    with open(args.requests) as f:
+        req = json.load(f)
+    kw = dict(req.get("llm", {}))
+    if "buckets" in kw:
+        prefill, decode = kw.pop("buckets")
+        kw["bucket_config"] = ManualBucketConfig(prefill_buckets=[tuple(b) for b in prefill],
+                                                 decode_buckets=[tuple(b) for b in decode])
+    with LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, cache_dir=args.cache_dir,
+             **kw) as llm:  # ranks > 0 serve in here and exit
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in req["max_tokens"]]
+        outs = llm.generate(None, params, prompt_token_ids=req["prompt_token_ids"])
+        with open(args.out, "w") as f:
+            json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "comm": llm.build_info["comm"],
+                       "plan": llm.parallel_plan.to_dict()}, f)
+
+
+if __name__ == "__main__":
+    main()
