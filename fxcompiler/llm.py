@@ -119,6 +119,7 @@ class LLM:
         llm_kwargs.update(kwargs)  # a tensor-parallel LLM starts its rank workers with the same arguments
         # -- vLLM-style extras and furiosa's hidden kwargs -------------------------------------------
         mppp = kwargs.pop("_mppp", None)  # set inside a rank worker: {"plan", "rank", "group"}
+        self._mppp = mppp
         paged_attention_num_blocks = kwargs.pop("paged_attention_num_blocks", None)
         kv_cache_memory_bytes = kwargs.pop("kv_cache_memory_bytes", None)
         dtype = parse_dtype(kwargs.pop("dtype", "auto"))
@@ -333,9 +334,13 @@ class LLM:
         """Tensor parallelism: spawn the rank workers (fxcompiler/parallel_llm.py), then the engine here."""
         from .parallel_llm import check_model, logits_rank, start_parallel_engine, start_rank_workers
 
-        if skip_engine or artifacts_export_path is not None:
-            raise NotImplementedError("artifacts of a tensor-parallel plan (skip_engine / artifacts_export_path) "
-                                      "are not built yet; build without tensor_parallel_size")
+        if skip_engine:
+            raise NotImplementedError("skip_engine with a tensor/pipeline-parallel plan: the ranks build their "
+                                      "shards with their engines (artifacts_export_path writes each rank's shard)")
+        if artifacts_export_path is not None:  # each rank exports its shard to <path>/rank<r>
+            from .parallel_artifacts import prepare_export
+
+            prepare_export(artifacts_export_path, self.parallel_plan)
         check_model(self.parallel_plan, config)
         from runtime.workers import WorkerGroups
 
@@ -366,6 +371,10 @@ class LLM:
         self.parallel_stages = ready["placements"]["stages"]  # pipeline stages: their [start, stop) blocks
         self.build_info = {**ready["build_info"], "parallel_plan": self.parallel_plan.to_dict(), "comm": ready["comm"]}
         self._rank_pass_history = ready["pass_history"]
+        if artifacts_export_path is not None:
+            from .parallel_artifacts import write_plan
+
+            write_plan(artifacts_export_path, self.parallel_plan)
         self._build = None
         self.pipelines, self.pipelines_with_meta = [], []
         self.num_blocks_per_supertask = llm_kwargs.get("num_blocks_per_supertask", 1)
@@ -394,6 +403,9 @@ class LLM:
             "num_blocks_per_supertask": self.num_blocks_per_supertask,
             "eos_token_ids": sorted(self._eos), "compile_cache_key": self.build_info.get("cache_key"),
         }
+        from .parallel_artifacts import plan_settings
+
+        settings.update(plan_settings(self.__dict__.get("_mppp")))  # the parallel plan (a rank's shard: its rank)
         passes = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in self.pass_history]
         contents = ArtifactContents(self.model_id, self.model_config, self.generation_config, self.tokenizer,
                                     self.pipelines, self._build.params, self.geometry, settings, passes,
@@ -750,6 +762,8 @@ class LLM:
         kv_cache_memory_bytes = kwargs.pop("kv_cache_memory_bytes", None)
         paged_attention_num_blocks = kwargs.pop("paged_attention_num_blocks", paged_attention_num_blocks)
         enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)
+        rank_of_plan = kwargs.pop("_rank_of_plan", False)  # a rank worker loading its shard
+        tensor_parallel_size = kwargs.pop("tensor_parallel_size", None)
         if kwargs:
             raise TypeError(f"unexpected keyword arguments for loading an artifact: {sorted(kwargs)}")
         if not isinstance(enable_prefix_caching, bool):
@@ -766,13 +780,21 @@ class LLM:
         if bucket_config is not None and not isinstance(bucket_config, BucketConfig):
             raise TypeError(f"bucket_config must be a ManualBucketConfig or MinimalBucketConfig, "
                             f"got {type(bucket_config).__name__}")
-        if pipeline_parallel_size not in (None, 1) or data_parallel_size not in (None, 1) \
-                or num_blocks_per_pp_stage is not None:
-            raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
+        from .parallel_artifacts import check_plan, load_parallel
+
+        plan = check_plan(path, tensor_parallel_size=tensor_parallel_size,
+                          pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
+                          num_blocks_per_pp_stage=num_blocks_per_pp_stage, devices=parse_devices(devices),
+                          rank_of_plan=rank_of_plan)
+        if plan is not None and plan.tp * plan.pp > 1:  # rank workers load their shards
+            return load_parallel(cls, path, plan, bucket_config=bucket_config, scheduler_config=scheduler_config,
+                                 tokenizer=tokenizer, tokenizer_mode=tokenizer_mode, seed=seed, cache_dir=cache_dir,
+                                 kv_cache_memory_bytes=kv_cache_memory_bytes,
+                                 paged_attention_num_blocks=paged_attention_num_blocks,
+                                 enable_prefix_caching=enable_prefix_caching)
         obj = cls.__new__(cls)
-        obj.devices = parse_devices(devices)
-        if len(obj.devices) > 1:
-            raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
+        obj.parallel_plan = plan  # None, or data-parallel replicas of a one-process artifact
+        obj.devices = parse_devices(devices)[:1]
         obj._device = obj.devices[0].to_torch_device()
         if obj._device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"devices={devices!r}: CUDA is not available on this machine")

@@ -124,13 +124,25 @@ def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: di
         group, pg, comm = tp_group(ParallelPlan.from_dict(dict(plan)), rank, shm=plan.get("comm", "shm") == "shm")
         from .llm import LLM
 
-        llm = LLM(**llm_kwargs, _mppp={"plan": plan, "rank": rank, "group": group})
+        artifact = llm_kwargs.get("_artifact_dir")
+        if artifact is not None:  # load this rank's shard of a parallel artifact
+            from .parallel_artifacts import rank_dir
+
+            kw = {k: v for k, v in llm_kwargs.items() if k != "_artifact_dir"}
+            llm = LLM.load_artifact(rank_dir(artifact, rank), _rank_of_plan=True, **kw)
+        else:
+            kw = dict(llm_kwargs)
+            if kw.get("artifacts_export_path") is not None:  # each rank exports its shard
+                from .parallel_artifacts import rank_dir
+
+                kw["artifacts_export_path"] = rank_dir(kw["artifacts_export_path"], rank)
+            llm = LLM(**kw, _mppp={"plan": plan, "rank": rank, "group": group})
         g = llm.geometry
         history = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in llm.pass_history]
         conn.send(("ready", {"kv": asdict(llm.kv_cache_plan), "num_kv_heads": g.num_kv_heads,
                              "geometry": g, "pass_history": history, "build_info": dict(llm.build_info), "comm": comm,
-                             "placements": llm._build.graph_module.meta.get("mppp") if llm._build.graph_module
-                             is not None else None}))
+                             "placements": llm._build.graph_module.meta.get("mppp") if getattr(
+                                 llm._build, "graph_module", None) is not None else None}))
         runner = llm.engine.runner
         exes, kv = runner.executables, runner.kv
 

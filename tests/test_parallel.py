@@ -45,15 +45,21 @@ PARAMS = [SamplingParams(temperature=0, max_tokens=4 + (3 * i) % 17, ignore_eos=
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_llama, tp_cache):
+def artifacts(tmp_path_factory):
+    """Where the one-process (``one``) and tp=2 (``tp2``) LLMs export their artifacts."""
+    return tmp_path_factory.mktemp("artifacts")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama, tp_cache, artifacts):
     """One process's greedy tokens for the 16 mixed requests."""
-    with LLM(tiny_llama, cache_dir=tp_cache, **KW) as ref:
+    with LLM(tiny_llama, cache_dir=tp_cache, artifacts_export_path=artifacts / "one", **KW) as ref:
         return [o.outputs[0].token_ids for o in ref.generate(None, PARAMS, prompt_token_ids=_prompts())]
 
 
 @pytest.fixture(scope="module")
-def tp_llm(tiny_llama, tp_cache):
-    llm = LLM(tiny_llama, tensor_parallel_size=2, cache_dir=tp_cache, **KW)
+def tp_llm(tiny_llama, tp_cache, artifacts):
+    llm = LLM(tiny_llama, tensor_parallel_size=2, cache_dir=tp_cache, artifacts_export_path=artifacts / "tp2", **KW)
     yield llm
     llm.shutdown()
 
@@ -74,6 +80,36 @@ def test_tp2_greedy_tokens_equal_one_process_with_continuous_batching(reference,
     placements = tp_llm.parallel_plan.placements
     assert placements and any(v == ["S", 1] for v in placements.values())
     assert tp_llm.parallel_plan.to_dict()["tp"] == 2
+
+
+def test_artifacts_record_the_plan_load_with_it_and_refuse_another(tp_llm, artifacts, reference, tp_cache):
+    import json
+
+    from fxcompiler.artifacts import ArtifactError
+
+    recorded = json.loads((artifacts / "tp2" / "parallel_plan.json").read_text())
+    assert (recorded["tp"], recorded["pp"], recorded["world"]) == (2, 1, 2)
+    assert recorded["placements"] == tp_llm.parallel_plan.placements
+    with LLM.load_artifact(artifacts / "tp2", cache_dir=tp_cache) as again:  # the ranks load their shards
+        assert again.parallel_plan.tp == 2 and again.build_info["comm"] == "shm"
+        got = [o.outputs[0].token_ids for o in again.generate(None, PARAMS, prompt_token_ids=_prompts())]
+        assert got == reference
+    with pytest.raises(ArtifactError, match=r"built with tensor_parallel_size=2, pipeline_parallel_size=1, "
+                                            r"num_blocks_per_pp_stage=None; loading it with tensor_parallel_size=2, "
+                                            r"pipeline_parallel_size=2, .* is refused"):
+        LLM.load_artifact(artifacts / "tp2", pipeline_parallel_size=2)
+    with pytest.raises(ArtifactError, match=r"built with tensor_parallel_size=2.*loading it with tensor_parallel_size=1"):
+        LLM.load_artifact(artifacts / "tp2", tensor_parallel_size=1)
+    with pytest.raises(ArtifactError, match=r"rank 1's shard of an artifact built with tensor_parallel_size=2"):
+        LLM.load_artifact(artifacts / "tp2" / "rank1")
+    with pytest.raises(ArtifactError, match=r"built with tensor_parallel_size=1, pipeline_parallel_size=1.*"
+                                            r"loading it with tensor_parallel_size=1, pipeline_parallel_size=2"):
+        LLM.from_artifacts(artifacts / "one", pipeline_parallel_size=2)
+    # a one-process artifact serves data-parallel replicas
+    with LLM.load_artifact(artifacts / "one", data_parallel_size=2, cache_dir=tp_cache) as dp:
+        assert len(dp.engine.replicas) == 2
+        got = [o.outputs[0].token_ids for o in dp.generate(None, PARAMS, prompt_token_ids=_prompts())]
+        assert got == reference
 
 
 def test_shared_memory_all_reduce_is_exact_and_equals_gloo():
