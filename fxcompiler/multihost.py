@@ -91,7 +91,12 @@ def start_torchrun(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
     rank = dist.get_rank()
     plan = ParallelPlan.from_dict({**plan.to_dict(), "comm": "gloo"})  # hosts share no memory
     group, _pg, comm = tp_group(plan, rank, shm=False)
-    shard = LLM(**llm_kwargs, _mppp={"plan": plan.to_dict(), "rank": rank, "group": group})
+    kw = dict(llm_kwargs)
+    if kw.get("artifacts_export_path") is not None:  # each rank exports its shard (fxcompiler/parallel_artifacts.py)
+        from .parallel_artifacts import rank_dir
+
+        kw["artifacts_export_path"] = rank_dir(kw["artifacts_export_path"], rank)
+    shard = LLM(**kw, _mppp={"plan": plan.to_dict(), "rank": rank, "group": group})
     run_step = _run_step_of(shard)
     kvs: list = [None] * world
     dist.all_gather_object(kvs, shard.kv_cache_plan.num_blocks)
