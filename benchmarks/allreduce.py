@@ -101,7 +101,7 @@ def run(world: int = 2, sizes=DEFAULT_SIZES, iters: int = 1000, dtype: str = "fl
                     raise RuntimeError(f"all-reduce benchmark failed: rank exit codes {dead or 'timeout'}")
     finally:
         for p in procs:
-            p.join(10)
+            p.join(60)  # exiting ranks tear gloo down; on a loaded host that takes longer than 10 s
             if p.is_alive():
                 p.kill()
                 p.join()
