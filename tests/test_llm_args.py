@@ -41,7 +41,7 @@ def test_device_parsing():
     (dict(backend="nonsense"), ValueError, "backend"),
     (dict(scheduler_config={"npu_queue_limit": 2}), TypeError, "scheduler_config"),
     (dict(no_such_argument=1), TypeError, "no_such_argument"),
-    (dict(pipeline_parallel_size=3), ValueError, "pipeline_parallel_size=3 needs at least 3 blocks; the model has 2"),
+    (dict(pipeline_parallel_size=3, max_seq_len_to_capture=128), ValueError, "pipeline_parallel_size=3 needs at least 3 blocks; the model has 2"),
     (dict(data_parallel_size=0), ValueError, "data_parallel_size must be a positive int"),
     (dict(tensor_parallel_size=3, max_seq_len_to_capture=128), ValueError, "does not divide the 4 query heads"),
     (dict(prefill_chunk_size=64, scheduler_config=SchedulerConfig(prefill_chunk_size=32)), ValueError, "conflicts"),
