@@ -185,8 +185,10 @@ class LLM:
             raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {comp_supertask_kind!r}")
 
         # -- capabilities of later issues ------------------------------------------------------------
-        from .quant_options import quantization_options
+        from .quant_options import directory_quantization_files, quantization_options
 
+        if qformat_path is None and qparam_path is None:  # a directory written by `fxcompiler quantize`
+            qformat_path, qparam_path = directory_quantization_files(model)
         quant_args = dict(quantization_config=llm_config.quantization_config if llm_config is not None else None,
                           qformat_path=qformat_path, qparam_path=qparam_path, quant_ckpt_file_path=quant_ckpt_file_path,
                           keep_gguf_quantization=keep_gguf_quantization, quantize_lm_head=quantize_lm_head,

@@ -5,7 +5,11 @@ Requires: ``weight_layout`` and ``fuse_projections`` have run (matmuls read ``[K
 lowers the float matmuls left over). Reads ``ctx.options["quantization"]`` (a JSON-able dict, part of
 the compile-cache key), absent or None = nothing to do:
 
-* ``weight``: ``"int8"`` → ``fxc::linear_w8`` (symmetric, per-channel when ``group_size`` is -1, else
+* ``weight``: ``"rules"`` → per-module schemes from a qformat (``rules``: ``[[pattern, scheme], ...]``,
+  first fnmatch on transformers' module name wins, ``default`` for the rest; the output projection
+  only when a pattern names it; a pattern that matches no matmul raises), with ``qparam``
+  (``{"path", "sha256"}``, :mod:`fxcompiler.qparam`) giving the scales/mins (and optionally the
+  codes): missing, extra or misshapen tensors raise naming the tensor; ``"int8"`` → ``fxc::linear_w8`` (symmetric, per-channel when ``group_size`` is -1, else
   per group of ``group_size`` along K, which must divide K); ``"int4"`` → ``fxc::linear_w4``
   (asymmetric scale + min per group of ``group_size``, default 128; a shorter last group is allowed);
   ``"native"`` → only the checkpoint's own quantized tensors (``gguf``), everything else kept;
@@ -34,6 +38,7 @@ from torch.fx import GraphModule
 from fxcompiler.ops.linear import NB, _pad_rows, _panels, quantize_linear_weight_int8
 from fxcompiler.ops.quant_linear import pack_int4, quantize_linear_weight_int4
 from fxcompiler.pass_manager import CompileContext, PassError, PassResult, register_pass
+from fxcompiler.qparam import QParamSet as _QParams
 
 from .lower_cpu_kernels import _match
 
@@ -58,6 +63,25 @@ def _native_name(name: str, tensors: dict) -> str:
         if cand == "lm_head.weight" and "model.embed_tokens.weight" in tensors:
             return "model.embed_tokens.weight"
     return name
+
+
+def _module_name(param: str) -> str:
+    """transformers' module name of a captured parameter (the capture wraps the model as ``model.``)."""
+    name = param.removesuffix(".weight")
+    if name.startswith("model.") and name[6:].split(".")[0] in ("model", "lm_head", "transformer", "gpt_neox",
+                                                                  "embed_out"):
+        name = name[6:]
+    return name
+
+
+def _rules(cfg: dict, weight: str) -> tuple[list, dict]:
+    """``(rules, default scheme)`` of the pass options (a qformat's, or one global scheme)."""
+    if weight == "rules":
+        return [tuple(r) for r in cfg.get("rules", [])], dict(cfg.get("default") or {"weight": "keep"})
+    if weight == "native":
+        return [], {"weight": "keep"}
+    group = int(cfg.get("group_size", 128 if weight == "int4" else -1))
+    return [], {"weight": weight, "group_size": group, "symmetric": bool(cfg.get("symmetric", weight == "int8"))}
 
 
 def _is_head(names: list[str]) -> bool:
@@ -86,25 +110,29 @@ class QuantizePass:
         if not cfg:
             return PassResult(gm, False, {"quantized": 0})
         weight = cfg.get("weight", "int8")
-        if weight not in ("int8", "int4", "native"):
-            raise PassError(f"quantize: weight must be 'int8', 'int4' or 'native', got {weight!r}")
-        group = int(cfg.get("group_size", 128 if weight == "int4" else -1))
+        if weight not in ("int8", "int4", "native", "rules"):
+            raise PassError(f"quantize: weight must be 'int8', 'int4', 'native' or 'rules', got {weight!r}")
+        rules, default = _rules(cfg, weight)
         native = None
         if cfg.get("gguf"):
             from fxcompiler.models.gguf_quant import read_native
 
             g = cfg["gguf"]
             native = read_native(g["path"], g.get("num_heads"), g.get("num_kv_heads"))
+        qparam = _QParams(cfg["qparam"]["path"]) if cfg.get("qparam") else None
         graph = gm.graph
         sites = [s for node in list(graph.nodes) if (s := _match(node, ctx)) is not None and s.transposed]
         packed: dict[str, tuple] = {}
+        matched: set[int] = set()
+        seen: set[str] = set()
         info = {"quantized": 0, "kept": 0, "native": 0, "rtn": 0, "exact_checked": 0, "ops": {}, "weight_bytes": 0}
         for site in sites:
             target = ctx.placeholder_spec(site.w).target
             names = _sources(target)
-            head = _is_head(names)
+            seen.update(_module_name(n) for n in names)
             if target not in packed:
-                packed[target] = self._pack(gm, ctx, site, target, names, head, weight, group, cfg, native, info)
+                scheme = self._scheme(names, rules, default, cfg, matched)
+                packed[target] = self._pack(gm, ctx, site, target, names, scheme, native, qparam, info)
             op = packed[target]
             if op is None:
                 info["kept"] += 1
@@ -124,6 +152,13 @@ class QuantizePass:
             ctx.drop_param_if_unused(gm, site.w)
             info["quantized"] += 1
             info["ops"][kind] = info["ops"].get(kind, 0) + 1
+        unmatched = [p for i, (p, _) in enumerate(rules) if i not in matched]
+        if unmatched:
+            mods = sorted(seen)
+            raise ValueError(f"quantize: qformat module pattern {unmatched[0]!r} matches no matmul of the model "
+                            f"(modules: {', '.join(mods[:6])}{', ...' if len(mods) > 6 else ''})")
+        if qparam is not None:
+            qparam.check_all_used()
         info["dropped_params"] = ctx.drop_unused_params(gm)
         if native is not None:
             info["gguf_skipped"] = dict(native.skipped)
@@ -132,9 +167,32 @@ class QuantizePass:
         return PassResult(gm, info["quantized"] > 0, info)
 
     # ------------------------------------------------------------------------------------------------
-    def _pack(self, gm, ctx, site, target, names, head, weight, group, cfg, native, info):
+    @staticmethod
+    def _scheme(names, rules, default, cfg, matched) -> dict:
+        """One scheme for a (fused) matmul; every fused module must resolve to the same one."""
+        from fxcompiler.qformat import match_rule
+
+        schemes = []
+        for name in names:
+            mod = _module_name(name)
+            head = _is_head([name])
+            idx, scheme = match_rule(mod, rules, None if head else default)
+            if idx is not None:
+                matched.add(idx)
+            if scheme is None:  # the output projection: kept unless named (or lm_head=True)
+                scheme = {"weight": "int8", "group_size": -1, "symmetric": True} if cfg.get("lm_head") \
+                    else {"weight": "keep"}
+            schemes.append(dict(scheme, head=head))
+        if any({k: v for k, v in s.items() if k != "head"} != {k: v for k, v in schemes[0].items() if k != "head"}
+               for s in schemes):
+            raise ValueError("quantize: the qformat gives different schemes to modules fused into one matmul ("
+                            + ", ".join(_module_name(n) for n in names) + "); give them one scheme")
+        return schemes[0]
+
+    def _pack(self, gm, ctx, site, target, names, scheme, native, qparam, info):
         w_kn = ctx.param_of(site.w)
-        if head and not cfg.get("lm_head", False):
+        head = scheme["head"]
+        if head and scheme["weight"] == "keep":
             return None
         from_ckpt = None
         if native is not None:
@@ -155,19 +213,31 @@ class QuantizePass:
                 return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (32,)
             q, s, gs = pack_int8_codes(codes, scales)
             return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
-        if weight == "native" or w_kn.dtype not in (torch.float32, torch.bfloat16):
+        weight = scheme["weight"]
+        if weight == "keep" or w_kn.dtype not in (torch.float32, torch.bfloat16):
             return None
         w = w_kn.t()  # [N, K] view
+        group = int(scheme.get("group_size", -1))
+        if weight == "int4" and group == -1:
+            group = site.k  # one group per row
+        if qparam is not None:
+            codes, scales, mins = qparam.codes_for([_module_name(n) for n in names], w, weight, group,
+                                                   bool(scheme.get("symmetric", weight == "int8")))
+            info["from_qparam"] = info.get("from_qparam", 0) + 1
+            if weight == "int4":
+                q, s, m = pack_int4(codes, scales, mins, group)
+                return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
+            q, s, gs = pack_int8_codes(codes, scales)
+            return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
         info["rtn"] += 1
-        if weight == "int4" and not head:
-            q, s, m = quantize_linear_weight_int4(w, group, bool(cfg.get("symmetric", False)))
+        if weight == "int4":
+            q, s, m = quantize_linear_weight_int4(w, group, bool(scheme.get("symmetric", False)))
             return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
-        gs = -1 if head else group
-        if gs > 0 and site.k % gs:
-            raise PassError(f"quantize: int8 group_size={gs} does not divide K={site.k} of {target!r}; use a "
+        if group > 0 and site.k % group:
+            raise PassError(f"quantize: int8 group_size={group} does not divide K={site.k} of {target!r}; use a "
                             "divisor of K or -1 (per channel)")
-        q, s = quantize_linear_weight_int8(w, gs)
-        return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
+        q, s = quantize_linear_weight_int8(w, group)
+        return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (group,)
 
     @staticmethod
     def _add(gm, ctx, target, info, **tensors) -> tuple:

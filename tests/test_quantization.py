@@ -63,7 +63,7 @@ def test_unimplemented_schemes_raise_with_reason(cfg, match):
 
 
 def test_quantization_option_errors(tmp_path):
-    with pytest.raises(NotImplementedError, match="qformat_path"):
+    with pytest.raises(ValueError, match="qformat_path=.*q.yaml' cannot be read"):
         quantization_options(None, qformat_path=tmp_path / "q.yaml")
     with pytest.raises(NotImplementedError, match="quant_ckpt_file_path"):
         quantization_options(None, quant_ckpt_file_path=tmp_path / "x")
@@ -242,7 +242,7 @@ def test_quantize_pass_lm_head_option_and_errors():
     with pytest.raises(PassError, match="group_size=24 does not divide K=32"):
         testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int8", "group_size": 24}), program, inputs,
                                                 passes_before=before)
-    with pytest.raises(PassError, match="weight must be 'int8', 'int4' or 'native'"):
+    with pytest.raises(PassError, match="weight must be 'int8', 'int4', 'native' or 'rules'"):
         testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int2"}), program, inputs, passes_before=before)
 
 
@@ -250,8 +250,9 @@ def test_quantize_pass_lm_head_option_and_errors():
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_i8_a_i8_kv_i8())), NotImplementedError,
      "quantized activations"),
-    (dict(qformat_path="qformat.yaml"), NotImplementedError, "qformat_path='qformat.yaml'"),
-    (dict(qparam_path="qparam.safetensors"), NotImplementedError, "qparam_path"),
+    (dict(qformat_path="qformat.yaml"), ValueError, "qformat_path='qformat.yaml' cannot be read"),
+    (dict(qparam_path="qparam.safetensors"), ValueError, "qparam_path='qparam.safetensors' needs a qformat_path"),
+    (dict(quant_ckpt_file_path="ckpt"), NotImplementedError, "pre-quantised checkpoints"),
     (dict(keep_gguf_quantization="yes"), TypeError, "keep_gguf_quantization must be a bool"),
     (dict(quantization_group_size=33, llm_config=LLMConfig(quantization_config=QuantizationConfig.w_4_a_16())),
      ValueError, "quantization_group_size"),

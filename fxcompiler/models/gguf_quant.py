@@ -89,6 +89,9 @@ def _fp16(raw: np.ndarray) -> torch.Tensor:
 
 def decode_blocks(data: np.ndarray, gguf_type: str, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(codes [N, K], scales [N, K/32], mins [N, K/32] | None)`` of a GGUF tensor's raw rows ``[N, bytes]``."""
+    if gguf_type not in SUPPORTED_TYPES:
+        raise ValueError(f"GGUF type {gguf_type} has no native int4/int8 layout (supported: "
+                         f"{', '.join(SUPPORTED_TYPES)}); it is dequantised by transformers instead")
     if k % QK:
         raise ValueError(f"GGUF {gguf_type}: row length {k} is not a multiple of {QK}")
     n, g = data.shape[0], k // QK
