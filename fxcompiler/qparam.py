@@ -105,7 +105,7 @@ class QParamSet:
         self.used.add(key)
         return self.tensors[key]
 
-    def _scales(self, key: str, n_rows: int | None, groups: int, what: str, positive: bool) -> torch.Tensor:
+    def _scales(self, key: str, n_rows: int | None, groups: int, what: str, positive: bool | None) -> torch.Tensor:
         t = self._get(key, what)
         if not t.is_floating_point():
             raise _err(self.path, f"tensor {key!r} must be floating point, got {t.dtype}")
@@ -113,10 +113,12 @@ class QParamSet:
             rows = "N" if n_rows is None else n_rows
             raise _err(self.path, f"tensor {key!r} has shape {list(t.shape)}, expected [{rows}, {groups}] ({what})")
         t = t.to(torch.float32)
-        bad = ~torch.isfinite(t) | ((t <= 0) if positive else (t < 0)) if "scale" in key else ~torch.isfinite(t)
+        bad = ~torch.isfinite(t)
+        if positive is not None:
+            bad |= (t <= 0) if positive else (t < 0)
         if bool(bad.any()):
-            raise _err(self.path, f"tensor {key!r} has {int(bad.sum())} non-finite or "
-                                  f"{'non-positive' if positive else 'negative'} values")
+            rule = "" if positive is None else f" or {'non-positive' if positive else 'negative'}"
+            raise _err(self.path, f"tensor {key!r} has {int(bad.sum())} non-finite{rule} values")
         return t
 
     def codes_for(self, modules: list[str], w: torch.Tensor, weight: str, group: int, symmetric: bool
@@ -129,7 +131,9 @@ class QParamSet:
             raise _err(self.path, f"int8 group_size={group} does not divide K={k} of {', '.join(modules)}")
         what = f"int8 scale per {'channel' if group == -1 else f'group of {group}'}" if weight == "int8" \
             else f"int4 scale per group of {group}"
-        scales = [self._scales(f"{m}.weight_scale", None if len(modules) > 1 else n, groups, what, weight == "int8")
+        # int8: s > 0; asymmetric int4: s >= 0 (0 for a constant group); symmetric int4 (Q4_0): any sign
+        sign = True if weight == "int8" else (None if symmetric else False)
+        scales = [self._scales(f"{m}.weight_scale", None if len(modules) > 1 else n, groups, what, sign)
                   for m in modules]
         rows = [s.shape[0] for s in scales]
         if sum(rows) != n:
@@ -140,7 +144,7 @@ class QParamSet:
             if not asym and f"{m}.weight_min" in self.tensors:
                 raise _err(self.path, f"unexpected tensor {m}.weight_min: the scheme of {m} is "
                                       f"{'int8' if weight == 'int8' else 'symmetric int4'} (no min)")
-        mins = [self._scales(f"{m}.weight_min", r, groups, "int4 min per group", False) if asym else
+        mins = [self._scales(f"{m}.weight_min", r, groups, "int4 min per group", None) if asym else
                 (-8.0 * s if weight == "int4" else None) for m, s, r in zip(modules, scales, rows)]
         codes, start = [], 0
         for m, s, mn, r in zip(modules, scales, mins, rows):
@@ -158,7 +162,7 @@ class QParamSet:
                 continue
             idx = torch.arange(k) // (k if group == -1 else group)
             se = s[:, idx]
-            safe = torch.where(se > 0, se, torch.ones_like(se))
+            safe = torch.where(se != 0, se, torch.ones_like(se))
             if weight == "int8":
                 codes.append(torch.clamp(torch.round(part / safe), -127, 127).to(torch.int8))
             else:
