@@ -19,19 +19,11 @@ import math
 import statistics
 import time
 
+from fxcompiler.calibration import split_topics  # noqa: E402  (calibration / held-out halves)
+
 SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native-q4_1", "native-q4_1-q8head")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
            "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
-
-
-def split_topics() -> tuple[str, str]:
-    """(calibration half, held-out half) of pydoc_data.topics, deterministic."""
-    from pydoc_data.topics import topics
-
-    names = sorted(topics)
-    calib = "\n\n".join(topics[n] for n in names[0::2])
-    held = "\n\n".join(topics[n] for n in names[1::2])
-    return calib, held
 
 
 def llm_kwargs(scheme: str) -> dict:

@@ -292,6 +292,18 @@ def pipeline_dot(data: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def cmd_quantize(args) -> int:
+    """``fxcompiler quantize MODEL OUT --scheme ...`` (fxcompiler/quantize_model.py)."""
+    from .llm import CACHE_DIR
+    from .quantize_model import quantize_model
+
+    out = quantize_model(args.model_pos, args.output, args.scheme, algorithm=args.algorithm,
+                         calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
+                         seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR)
+    print(f"quantized model: {out} (scheme {args.scheme}, {args.algorithm}); load it with LLM({str(out)!r})")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxcompiler", description="fxcompiler: LLM inference as a graph compiler")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -332,6 +344,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the first decode pipeline)")
     i.add_argument("-v", "--verbose", action="store_true")
     i.set_defaults(func=cmd_inspect)
+    qz = sub.add_parser("quantize", help="write a quantized model directory (qformat, qparam, recipe) LLM(OUT) loads")
+    qz.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
+    qz.add_argument("output", metavar="OUT", help="directory to create (must not exist or be empty)")
+    qz.add_argument("--scheme", required=True, help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 (w8a8, fp8, kv8: not built)")
+    qz.add_argument("--algorithm", default="rtn", help="rtn (gptq, smoothquant: not built)")
+    qz.add_argument("--calib-data", default=None, metavar="FILE",
+                    help="calibration text (default: the calibration half of CPython's pydoc_data.topics)")
+    qz.add_argument("--num-samples", type=int, default=128)
+    qz.add_argument("--seq-len", type=int, default=512)
+    qz.add_argument("--seed", type=int, default=0)
+    qz.add_argument("--cache-dir", default=None)
+    qz.add_argument("-v", "--verbose", action="store_true")
+    qz.set_defaults(func=cmd_quantize)
     c = sub.add_parser("chat", help="interactive chat with streaming output")
     _add_model_args(c)
     _add_sampling_args(c, 256)
