@@ -10,18 +10,25 @@ Greedy agreement: the fraction of greedy tokens equal to fp32's over fixed promp
 Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, median reported.
 
     .venv/bin/python benchmarks/quantization.py [--schemes fp32,bf16,w8a32,w8a16,w4a32-g128,native-q4_1]
+        [--model ID_OR_DIR] [--rounds 0]     # qformat-w8a16 / qformat-w4a16-g128: via `fxcompiler quantize`
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import statistics
+import sys
+import tempfile
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from fxcompiler.calibration import split_topics  # noqa: E402  (calibration / held-out halves)
 
-SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native-q4_1", "native-q4_1-q8head")
+SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native-q4_1", "native-q4_1-q8head",
+           "qformat-w8a16", "qformat-w4a16-g128")  # qformat-*: a directory written by `fxcompiler quantize`
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
            "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
 
@@ -84,12 +91,14 @@ def decode_tps(llm, tokens: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemes", default="fp32,bf16,w8a32,w8a16,w4a32-g128,native-q4_1")
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                    help="model id or directory (native-* schemes need the embedded GGUF default)")
     ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens scored")
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--stride", type=int, default=256)
     ap.add_argument("--greedy-tokens", type=int, default=32)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="decode-speed rounds (0: accuracy only)")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
     from fxcompiler import LLM, ManualBucketConfig
@@ -100,11 +109,19 @@ def main() -> None:
             raise SystemExit(f"unknown scheme {s!r}; choose from {SCHEMES}")
     _, held = split_topics()
     engines, results = {}, {}
+    tmp = tempfile.TemporaryDirectory(prefix="fxc-quant-bench-")
     for s in schemes:
         t0 = time.perf_counter()
-        engines[s] = LLM("HuggingFaceTB/SmolLM2-135M-Instruct", max_seq_len_to_capture=args.window + 64,
-                         bucket_config=ManualBucketConfig([(1, args.window)], [(1, args.window + 64)]),
-                         **llm_kwargs(s))
+        model, kw = args.model, {}
+        if s.startswith("qformat-"):  # quantize into a directory first, then load it as a model
+            from fxcompiler.quantize_model import quantize_model
+
+            model = str(quantize_model(args.model, os.path.join(tmp.name, s), s.removeprefix("qformat-"),
+                                       progress=False))
+        else:
+            kw = llm_kwargs(s)
+        engines[s] = LLM(model, max_seq_len_to_capture=args.window + 64,
+                         bucket_config=ManualBucketConfig([(1, args.window)], [(1, args.window + 64)]), **kw)
         results[s] = {"build_s": round(time.perf_counter() - t0, 1), "weight_bytes": weight_bytes(engines[s])}
         print(f"{s}: built in {results[s]['build_s']} s", flush=True)
     ids = engines[schemes[0]].tokenizer(held)["input_ids"][:args.tokens]
@@ -121,7 +138,7 @@ def main() -> None:
         for s in schemes:
             speeds[s].append(decode_tps(engines[s], args.decode_tokens))
     for s in schemes:
-        results[s]["decode_tok_s_median"] = round(statistics.median(speeds[s]), 2)
+        results[s]["decode_tok_s_median"] = round(statistics.median(speeds[s]), 2) if speeds[s] else None
     base = results[schemes[0]]["ppl"]
     print(f"\n| scheme | weight MiB | held-out PPL | vs {schemes[0]} | greedy agreement | batch-1 decode tok/s |")
     print("|---|---|---|---|---|---|")
