@@ -199,7 +199,11 @@ def _scheme_text(q) -> str:
     """One line for an artifact's recorded quantization (``settings["quantization"]``)."""
     if not q:
         return "none (float weights)"
-    parts = [q.get("scheme", "?"), f"weights {q.get('weight')}"]
+    weight = q.get("weight")
+    if weight == "rules":  # a qformat's per-module schemes
+        weight = f"per module (qformat sha256 {q.get('qformat_sha256')}" + (
+            f", qparam sha256 {q['qparam']['sha256']})" if q.get("qparam") else ", RTN)")
+    parts = [q.get("scheme", "?"), f"weights {weight}"]
     if q.get("group_size") not in (None, -1):
         parts.append(f"group {q['group_size']}")
     if q.get("gguf_sha256"):
