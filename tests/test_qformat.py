@@ -235,3 +235,19 @@ def test_unsupported_gguf_type_is_named():
 
     with pytest.raises(ValueError, match="GGUF type Q5_K has no native int4/int8 layout"):
         decode_blocks(np.zeros((2, 176), np.uint8), "Q5_K", 256)
+
+
+def test_compile_cache_key_covers_qformat_and_qparam_contents(tiny_models, tmp_path):
+    from fxcompiler.build import ProgramRequest
+
+    def key(tensors, body=MIXED):
+        opts = _opts(tmp_path, body, tensors)
+        req = ProgramRequest("hf", "tiny", tiny_models["llama"], {}, None, False, None, False, 16,
+                             {"quantization": opts})
+        return req.cache_key(torch.device("cpu"))
+
+    one = {"model.layers.0.self_attn.o_proj.weight_scale": torch.ones(32, 1)}
+    two = {"model.layers.0.self_attn.o_proj.weight_scale": torch.full((32, 1), 2.0)}
+    k1, k2 = key(one), key(two)
+    assert k1 is not None and k1 != k2 and key(one) == k1
+    assert key(one, MIXED.replace("group_size: 32", "group_size: 64")) != k1
