@@ -27,6 +27,7 @@ _EXPORTS = {
     "LLMConfig": "fxcompiler.config",
     "OptimizationConfig": "fxcompiler.config",
     "QuantizationConfig": "fxcompiler.config",
+    "QDtype": "fxcompiler.config",
     "LLMBackend": "fxcompiler.config",
     "PassManager": "fxcompiler.pass_manager",
     "PassResult": "fxcompiler.pass_manager",

@@ -29,6 +29,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("-v", "--verbose", action="store_true")
+    q = p.add_argument_group("quantization (docs/quantization.md)")
+    q.add_argument("--quantization", default=None, metavar="SCHEME",
+                   help="weight-only scheme: W8A16, W4A16 (bf16 activations), W8A32, W4A32 (fp32), W16A16 (bf16)")
+    q.add_argument("--quantization-group-size", type=int, default=None,
+                   help="int4: 32, 64 or 128 (default 128); int8: -1 per channel (default) or a divisor of K")
+    q.add_argument("--keep-gguf-quantization", action="store_true",
+                   help="run a GGUF (e.g. the embedded Q4_1 default) on its own Q4_0/Q4_1/Q8_0 blocks, not dequantised")
+    q.add_argument("--quantize-lm-head", action="store_true", help="also quantize lm_head (int8, Q8_0 from a GGUF)")
+
+
+def _quant_kwargs(args) -> dict:
+    """LLM keyword arguments of the quantization options."""
+    from .config import LLMConfig
+    from .quant_config import QuantizationConfig
+
+    kw = {"keep_gguf_quantization": args.keep_gguf_quantization, "quantize_lm_head": args.quantize_lm_head,
+          "quantization_group_size": args.quantization_group_size}
+    if args.quantization:
+        kw["llm_config"] = LLMConfig(quantization_config=QuantizationConfig.from_str(args.quantization))
+    return kw
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -61,7 +81,7 @@ def _make_llm(args):
     else:
         llm = LLM(args.model, devices=args.device, dtype=args.dtype,
                   max_seq_len_to_capture=args.max_seq_len_to_capture, cache_dir=args.cache_dir or CACHE_DIR,
-                  seed=args.seed)
+                  seed=args.seed, **_quant_kwargs(args))
     print(f"[fxcompiler] {llm!r} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return llm
 
@@ -132,7 +152,7 @@ def cmd_compile(args) -> int:
     t0 = time.perf_counter()
     llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
               cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
-              compiler_config_overrides=overrides)
+              compiler_config_overrides=overrides, **_quant_kwargs(args))
     seconds = time.perf_counter() - t0
     blobs = {b for p in llm.pipelines for b in p.blobs}
     print(f"model: {llm.model_id}\npipelines: {len(llm.pipelines)} ({llm.pipelines[0].name} ...)\n"
@@ -169,10 +189,27 @@ def cmd_build(args) -> int:
               use_blockwise_compile=not args.no_blockwise_compile,
               num_blocks_per_supertask=args.num_blocks_per_supertask, param_saved_format=args.param_saved_format,
               cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
-              artifacts_export_path=args.output)
+              artifacts_export_path=args.output, **_quant_kwargs(args))
     print(f"artifact: {args.output}\nmodel: {llm.model_id}\npipelines: {len(llm.pipelines)}\n"
           f"compile cache: {llm.build_info['compile_cache']}\nbuilt in {time.perf_counter() - t0:.1f}s")
     return 0
+
+
+def _scheme_text(q) -> str:
+    """One line for an artifact's recorded quantization (``settings["quantization"]``)."""
+    if not q:
+        return "none (float weights)"
+    weight = q.get("weight")
+    if weight == "rules":  # a qformat's per-module schemes
+        weight = f"per module (qformat sha256 {q.get('qformat_sha256')}" + (
+            f", qparam sha256 {q['qparam']['sha256']})" if q.get("qparam") else ", RTN)")
+    parts = [q.get("scheme", "?"), f"weights {weight}"]
+    if q.get("group_size") not in (None, -1):
+        parts.append(f"group {q['group_size']}")
+    if q.get("gguf_sha256"):
+        parts.append(f"GGUF blocks kept (sha256 {q['gguf_sha256']})")
+    parts.append("lm_head quantized" if q.get("lm_head") else "lm_head float")
+    return ", ".join(parts)
 
 
 def cmd_inspect(args) -> int:
@@ -218,6 +255,7 @@ def cmd_inspect(args) -> int:
               + ("  + constants" if entry.get("constants") else ""))
     print(f"params: {m['params']['file']} ({m['params']['format']}), {m['params']['bytes'] / 2**20:.1f} MiB on device "
           f"{', '.join(m['parallel']['devices'])}")
+    print(f"quantization: {_scheme_text(st.get('quantization'))}")
     print(f"passes: {' -> '.join(p['pass'] for p in m['passes'])}")
     print(f"files: {len(m['files'])}, {total / 2**20:.1f} MiB")
     if args.dot:
@@ -256,6 +294,18 @@ def pipeline_dot(data: dict) -> str:
                 lines.append(f'  t{src} -> t{key} [label="{name}\\n{t.get("dtype", "")}{t.get("shape", "")}", fontsize=9];')
     lines.append("}")
     return "\n".join(lines) + "\n"
+
+
+def cmd_quantize(args) -> int:
+    """``fxcompiler quantize MODEL OUT --scheme ...`` (fxcompiler/quantize_model.py)."""
+    from .llm import CACHE_DIR
+    from .quantize_model import quantize_model
+
+    out = quantize_model(args.model_pos, args.output, args.scheme, algorithm=args.algorithm,
+                         calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
+                         seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR)
+    print(f"quantized model: {out} (scheme {args.scheme}, {args.algorithm}); load it with LLM({str(out)!r})")
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -298,6 +348,19 @@ def build_parser() -> argparse.ArgumentParser:
                    "default: the first decode pipeline)")
     i.add_argument("-v", "--verbose", action="store_true")
     i.set_defaults(func=cmd_inspect)
+    qz = sub.add_parser("quantize", help="write a quantized model directory (qformat, qparam, recipe) LLM(OUT) loads")
+    qz.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
+    qz.add_argument("output", metavar="OUT", help="directory to create (must not exist or be empty)")
+    qz.add_argument("--scheme", required=True, help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 (w8a8, fp8, kv8: not built)")
+    qz.add_argument("--algorithm", default="rtn", help="rtn (gptq, smoothquant: not built)")
+    qz.add_argument("--calib-data", default=None, metavar="FILE",
+                    help="calibration text (default: the calibration half of CPython's pydoc_data.topics)")
+    qz.add_argument("--num-samples", type=int, default=128)
+    qz.add_argument("--seq-len", type=int, default=512)
+    qz.add_argument("--seed", type=int, default=0)
+    qz.add_argument("--cache-dir", default=None)
+    qz.add_argument("-v", "--verbose", action="store_true")
+    qz.set_defaults(func=cmd_quantize)
     c = sub.add_parser("chat", help="interactive chat with streaming output")
     _add_model_args(c)
     _add_sampling_args(c, 256)

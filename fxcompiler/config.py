@@ -231,18 +231,22 @@ class OptimizationConfig:
     optimized_for_speculative_decoding: bool = False
 
 
-@dataclass(frozen=True)
-class QuantizationConfig:
-    weight: str = "bf16"
-    activation: str = "bf16"
-    kv_cache: str | None = "bf16"
-    use_mcp: bool = True
+from .quant_config import QDtype, QuantizationConfig  # noqa: E402,F401  (furiosa exports them from here)
 
 
 @dataclass(frozen=True)
 class LLMConfig:
     optimization_config: OptimizationConfig = field(default_factory=OptimizationConfig)
     quantization_config: QuantizationConfig | None = None
+
+    def __post_init__(self):
+        if self.quantization_config is not None and not isinstance(self.quantization_config, QuantizationConfig):
+            raise TypeError("LLMConfig.quantization_config must be a QuantizationConfig, got "
+                            f"{type(self.quantization_config).__name__}")
+
+    def with_quantization_config(self, quantization_config: QuantizationConfig | None) -> "LLMConfig":
+        """A copy with ``quantization_config`` replaced (furiosa's method)."""
+        return LLMConfig(self.optimization_config, quantization_config)
 
 
 class LLMBackend(str, enum.Enum):

@@ -126,6 +126,9 @@ class LLM:
         enable_chunked_prefill = kwargs.pop("enable_chunked_prefill", None)
         max_num_batched_tokens = kwargs.pop("max_num_batched_tokens", None)
         enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)  # vLLM's name; on by default
+        keep_gguf_quantization = kwargs.pop("keep_gguf_quantization", False)  # docs/quantization.md
+        quantize_lm_head = kwargs.pop("quantize_lm_head", False)
+        quantization_group_size = kwargs.pop("quantization_group_size", None)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         for hidden in ("optimize_paged_attention_block_loading", "sparse_select_version", "one_supertask_per_device"):
@@ -187,10 +190,15 @@ class LLM:
             raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {comp_supertask_kind!r}")
 
         # -- capabilities of later issues ------------------------------------------------------------
-        if llm_config is not None and llm_config.quantization_config is not None or qformat_path or qparam_path \
-                or quant_ckpt_file_path:
-            raise _later("quantization (llm_config quantization, qformat_path/qparam_path/quant_ckpt_file_path)",
-                         "quantization issue")
+        from .quant_options import directory_quantization_files, quantization_options
+
+        if qformat_path is None and qparam_path is None:  # a directory written by `fxcompiler quantize`
+            qformat_path, qparam_path = directory_quantization_files(model)
+        quant_args = dict(quantization_config=llm_config.quantization_config if llm_config is not None else None,
+                          qformat_path=qformat_path, qparam_path=qparam_path, quant_ckpt_file_path=quant_ckpt_file_path,
+                          keep_gguf_quantization=keep_gguf_quantization, quantize_lm_head=quantize_lm_head,
+                          group_size=quantization_group_size)
+        quantization_options(**quant_args, check_source=False)  # validate before loading anything
         if speculative_model is not None or num_speculative_tokens is not None or any(
                 v not in (None, {}) for v in (speculative_model_llm_config, speculative_model_qformat_path,
                                               speculative_model_qparam_path, speculative_model_quant_ckpt_file_path,
@@ -296,6 +304,14 @@ class LLM:
         options = dict(compiler_config_overrides or {})
         if mppp is not None:
             options["mppp"] = mppp
+        quant_opts, quant_bf16 = quantization_options(**quant_args, model_config=loaded.config,
+                                                      gguf_path=source.path if source.is_gguf else None)
+        if quant_opts is not None:
+            options["quantization"] = quant_opts
+        self.quantization = None if quant_opts is None else {  # recorded in artifacts (fxcompiler inspect)
+            **{k: v for k, v in quant_opts.items() if k != "gguf"},
+            **({"gguf_sha256": quant_opts["gguf"]["sha256"]} if "gguf" in quant_opts else {})}
+        auto_bfloat16_cast = auto_bfloat16_cast or quant_bf16  # W16A16 / W8A16 / W4A16: bf16 activations
         if auto_bfloat16_cast:  # captured in the checkpoint's dtype; the auto_bfloat16_cast pass makes it bf16
             options["auto_bfloat16_cast"] = True
         if embed_all_constants_into_graph:
@@ -402,6 +418,7 @@ class LLM:
             "comp_supertask_kind": self.comp_supertask_kind, "use_blockwise_compile": self.use_blockwise_compile,
             "num_blocks_per_supertask": self.num_blocks_per_supertask,
             "eos_token_ids": sorted(self._eos), "compile_cache_key": self.build_info.get("cache_key"),
+            "quantization": getattr(self, "quantization", None),
         }
         from .parallel_artifacts import plan_settings
 

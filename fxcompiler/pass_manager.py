@@ -353,13 +353,14 @@ class PassManager:
 
 DEFAULT_PASSES = ("decompose", "strip_asserts", "fold_casts", "dce", "cse", "fuse_rms_norm", "fuse_silu_mul",
                   "fuse_rope", "auto_bfloat16_cast", "weight_layout", "logits_slice", "fuse_projections",
-                  "lower_cpu_kernels", "dce", "fuse_qkv_attention", "dce",
+                  "quantize", "lower_cpu_kernels", "dce", "fuse_qkv_attention", "dce",
                   "constants")
 
 
 # compiler_config_overrides keys (docs/writing-a-pass.md); the rest of the dict reaches passes as ctx.options
 OVERRIDE_KEYS = ("passes", "dump_dir", "numeric_check", "embed_all_constants_into_graph",
                  "do_decompositions_for_model_rewrite", "auto_bfloat16_cast",
+                 "quantization",  # passes/quantize.py (set from LLM's quantization arguments)
                  # read by the pipeline builder (blockwise compilation), not by passes
                  "use_blockwise_compile", "num_blocks_per_supertask", "num_blocks_per_pp_stage",
                  # {"plan": ParallelPlan dict, "rank": r, "group": name}: the mppp sharding pass runs first

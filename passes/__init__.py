@@ -10,3 +10,4 @@ from . import cse  # noqa: E402,F401
 from . import canonicalize_indices  # noqa: E402,F401
 __all__ += ["decompose", "cse", "canonicalize_indices"]
 from . import mppp  # noqa: E402,F401
+from . import quantize  # noqa: E402,F401

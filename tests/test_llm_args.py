@@ -51,7 +51,8 @@ def test_device_parsing():
     (dict(num_compile_workers=0), ValueError, "num_compile_workers"),
     (dict(artifacts_export_path=3), TypeError, "artifacts_export_path"),
     (dict(use_blockwise_compile="yes"), TypeError, "use_blockwise_compile"),
-    (dict(qformat_path="q.yaml"), NotImplementedError, "quantization"),
+    (dict(qformat_path="q.yaml"), ValueError, "qformat_path='q.yaml' cannot be read"),
+    (dict(quant_ckpt_file_path="q.safetensors"), NotImplementedError, "pre-quantised checkpoints"),
     (dict(hf_overrides={"a": 1}, config={"b": 2}), ValueError, "hf_overrides"),
 ])
 def test_bad_and_not_yet_supported_arguments(kwargs, exc, match, tiny_models):

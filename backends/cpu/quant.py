@@ -1,0 +1,43 @@
+"""CPU kernels of the quantized-weight ops (``fxc::linear_w4``), from ``csrc/quant_kernels.cpp``.
+
+Built on first use through :func:`backends.cpu._build.load_extension` into its own cache entry (so
+it never rebuilds the main kernel library), with ``-ffp-contract=off`` so that the dequantised tile
+equals the reference's values bit for bit. Importing this module installs the lazy loader on the op
+(:func:`fxcompiler.ops.quant_linear.set_quant_kernel_loader`); without a compiler or AVX2 the ATen
+reference runs (one warning). ``fxc::linear_w8``'s kernel lives in the main library (``_ops``).
+"""
+from __future__ import annotations
+
+import threading
+
+from fxcompiler.ops import quant_linear as _ops
+
+from . import _build
+
+_SOURCE = _build._CSRC / "quant_kernels.cpp"
+_state: dict = {"tried": False, "module": None, "error": None}
+_lock = threading.Lock()
+
+
+def _load():
+    isa = _build.detect_isa()
+    if isa == "aten":
+        raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
+    flags = _build._COMMON_FLAGS + _build._FLAGS[isa] + ["-ffp-contract=off"]
+    name = f"fxc_quant_{isa}_{_build.source_digest([_SOURCE], flags)}"
+    _build.load_extension(name, [_SOURCE], flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    return isa
+
+
+def ensure_loaded() -> bool:
+    """Build/load the quantized kernels once per process; True when they are active."""
+    return _build.load_once(_state, _lock, _load,
+                            "fxcompiler quantized CPU kernels unavailable; fxc::linear_w4 runs its ATen reference") \
+        is not None
+
+
+def isa() -> str:
+    return _state["module"] if ensure_loaded() else "aten"
+
+
+_ops.set_quant_kernel_loader(ensure_loaded)

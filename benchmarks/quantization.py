@@ -1,0 +1,155 @@
+"""Accuracy and speed of the quantization schemes on the embedded SmolLM2-135M-Instruct.
+
+Text: CPython's ``pydoc_data.topics`` (ships with every Python), its topics sorted by name and split
+deterministically: even-indexed topics are the calibration half (read by no benchmark here; reserved for
+calibration), odd-indexed the held-out half, of which the first ``--tokens`` tokens are scored.
+
+Perplexity: windows of ``--window`` tokens advancing by ``--stride``; each window scores only its last
+``stride`` tokens (the first window all of them), from the engine's ``prompt_logprobs``.
+Greedy agreement: the fraction of greedy tokens equal to fp32's over fixed prompts.
+Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, median reported.
+
+    .venv/bin/python benchmarks/quantization.py [--schemes fp32,bf16,w8a32,w8a16,w4a32-g128,native-q4_1]
+        [--model ID_OR_DIR] [--rounds 0]     # qformat-w8a16 / qformat-w4a16-g128: via `fxcompiler quantize`
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from fxcompiler.calibration import split_topics  # noqa: E402  (calibration / held-out halves)
+
+SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native-q4_1", "native-q4_1-q8head",
+           "qformat-w8a16", "qformat-w4a16-g128")  # qformat-*: a directory written by `fxcompiler quantize`
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
+           "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
+
+
+def llm_kwargs(scheme: str) -> dict:
+    from fxcompiler import LLMConfig, QuantizationConfig
+
+    def q(text, **kw):
+        return {"llm_config": LLMConfig(quantization_config=QuantizationConfig.from_str(text)), **kw}
+
+    table = {
+        "fp32": {}, "bf16": {"auto_bfloat16_cast": True},
+        "w8a32": q("W8A32"), "w8a16": q("W8A16"),
+        "w4a32-g128": q("W4A32", quantization_group_size=128), "w4a16-g128": q("W4A16", quantization_group_size=128),
+        "native-q4_1": {"keep_gguf_quantization": True},
+        "native-q4_1-q8head": {"keep_gguf_quantization": True, "quantize_lm_head": True},
+    }
+    return table[scheme]
+
+
+def weight_bytes(llm) -> int:
+    return sum(t.numel() * t.element_size() for t in llm._build.params.values())
+
+
+def perplexity(llm, ids: list[int], window: int, stride: int) -> float:
+    from fxcompiler import SamplingParams
+
+    nll, count, start = 0.0, 0, 0
+    sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
+    while start < len(ids) - 1:
+        chunk = ids[start:start + window]
+        out = llm.generate(None, sp, prompt_token_ids=[chunk])[0]
+        scored_from = 1 if start == 0 else window - stride
+        for pos in range(scored_from, len(chunk)):
+            entry = out.prompt_logprobs[pos]
+            nll -= entry[chunk[pos]].logprob
+            count += 1
+        if start + window >= len(ids):
+            break
+        start += stride
+    return math.exp(nll / count)
+
+
+def greedy(llm, max_tokens: int) -> list[list[int]]:
+    from fxcompiler import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, sp)]
+
+
+def decode_tps(llm, tokens: int) -> float:
+    from fxcompiler import SamplingParams
+
+    sp = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate("Write a long story about a lighthouse keeper.", sp)
+    return tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--schemes", default="fp32,bf16,w8a32,w8a16,w4a32-g128,native-q4_1")
+    ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct",
+                    help="model id or directory (native-* schemes need the embedded GGUF default)")
+    ap.add_argument("--tokens", type=int, default=4096, help="held-out tokens scored")
+    ap.add_argument("--window", type=int, default=512)
+    ap.add_argument("--stride", type=int, default=256)
+    ap.add_argument("--greedy-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="decode-speed rounds (0: accuracy only)")
+    ap.add_argument("--json", default=None, help="also write the results here")
+    args = ap.parse_args()
+    from fxcompiler import LLM, ManualBucketConfig
+
+    schemes = [s for s in args.schemes.split(",") if s]
+    for s in schemes:
+        if s not in SCHEMES:
+            raise SystemExit(f"unknown scheme {s!r}; choose from {SCHEMES}")
+    _, held = split_topics()
+    engines, results = {}, {}
+    tmp = tempfile.TemporaryDirectory(prefix="fxc-quant-bench-")
+    for s in schemes:
+        t0 = time.perf_counter()
+        model, kw = args.model, {}
+        if s.startswith("qformat-"):  # quantize into a directory first, then load it as a model
+            from fxcompiler.quantize_model import quantize_model
+
+            model = str(quantize_model(args.model, os.path.join(tmp.name, s), s.removeprefix("qformat-"),
+                                       progress=False))
+        else:
+            kw = llm_kwargs(s)
+        engines[s] = LLM(model, max_seq_len_to_capture=args.window + 64,
+                         bucket_config=ManualBucketConfig([(1, args.window)], [(1, args.window + 64)]), **kw)
+        results[s] = {"build_s": round(time.perf_counter() - t0, 1), "weight_bytes": weight_bytes(engines[s])}
+        print(f"{s}: built in {results[s]['build_s']} s", flush=True)
+    ids = engines[schemes[0]].tokenizer(held)["input_ids"][:args.tokens]
+    ref = None
+    for s in schemes:
+        results[s]["ppl"] = round(perplexity(engines[s], ids, args.window, args.stride), 4)
+        toks = greedy(engines[s], args.greedy_tokens)
+        ref = ref if ref is not None else toks
+        same = sum(a == b for x, y in zip(toks, ref) for a, b in zip(x, y))
+        results[s]["greedy_agreement_vs_first"] = round(same / sum(len(x) for x in ref), 4)
+        print(s, results[s], flush=True)
+    speeds = {s: [] for s in schemes}
+    for _ in range(args.rounds):  # interleaved rounds
+        for s in schemes:
+            speeds[s].append(decode_tps(engines[s], args.decode_tokens))
+    for s in schemes:
+        results[s]["decode_tok_s_median"] = round(statistics.median(speeds[s]), 2) if speeds[s] else None
+    base = results[schemes[0]]["ppl"]
+    print(f"\n| scheme | weight MiB | held-out PPL | vs {schemes[0]} | greedy agreement | batch-1 decode tok/s |")
+    print("|---|---|---|---|---|---|")
+    for s in schemes:
+        r = results[s]
+        print(f"| {s} | {r['weight_bytes'] / 2**20:.1f} | {r['ppl']:.3f} | {100 * (r['ppl'] / base - 1):+.2f} % | "
+              f"{100 * r['greedy_agreement_vs_first']:.1f} % | {r['decode_tok_s_median']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

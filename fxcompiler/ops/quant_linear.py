@@ -1,0 +1,181 @@
+"""``fxc::linear_w4``: int4 weight-only matmul with a per-group scale **and** min (GGUF Q4_0/Q4_1 exact).
+
+IR level (importable by passes and backends): schema, fake kernel, ATen reference, and the pure
+PyTorch packers/unpackers the ``quantize`` pass and the GGUF repacker use.
+
+``fxc::linear_w4(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, int n, int group_size) -> Tensor``
+    x ``[..., K]`` fp32 or bf16; returns ``[..., n]`` in x's dtype, fp32 accumulation.
+
+Layout (``NB = 32`` output columns per panel, ``P = ceil(N / 32)``, ``G = ceil(K / group_size)``,
+tail columns zero padded, ``K`` even, ``group_size`` even):
+
+* ``w_int4_packed``: ``uint8 [P, K/2, 32]``, ``byte[p, i, j] = q[32p+j, 2i] | q[32p+j, 2i+1] << 4``,
+  ``q`` in ``[0, 15]``;
+* ``scales``, ``mins``: ``float32 [P, G, 32]``;
+* value: ``w[n, k] = fl(fl(scales[g, n] * q[n, k]) + mins[g, n])`` with ``g = k // group_size`` (a
+  multiply then an add, each rounded to fp32, no fused multiply-add: what gguf-py's and
+  transformers' Q4_1 dequantisation compute, so a repacked GGUF tensor dequantises bit-exactly).
+
+GGUF mapping: Q4_1 (``d·q + m``): scale = d, min = m. Q4_0 (``d·(q − 8)``): scale = d, min = −8·d
+(``d·q − 8d`` is exact in fp32 because d is an fp16 value, so it equals ``d·(q − 8)`` bit for bit).
+torch's ``_weight_int4pack_mm_for_cpu`` uses ``(q − 8)·s + z``: for Q4_1 that needs ``z = m + 8d``, whose
+fp32 rounding is not exact, which is why this op carries the min directly.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .linear import NB, _pad_rows, _panels
+
+__all__ = ["dequantize_linear_weight_int4", "linear_w4", "linear_w4_reference", "pack_int4", "quantize_linear_weight_int4",
+           "set_quant_kernel_loader", "unpack_int4"]
+
+_lib = torch.library.Library("fxc", "FRAGMENT")
+_lib.define("linear_w4(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, int n, "
+            "int group_size) -> Tensor")
+
+
+def _groups(k: int, group_size: int) -> int:
+    return -(-k // group_size)
+
+
+def _check_group(k: int, group_size: int) -> None:
+    if group_size <= 0 or group_size % 2:
+        raise ValueError(f"int4 group_size must be a positive even number (32, 64, 128), got {group_size}")
+    if k % 2:
+        raise ValueError(f"int4 packing needs an even K (two values per byte), got K={k}")
+
+
+def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Pack codes ``q`` (uint8 ``[N, K]`` in [0, 15]) with ``scales``/``mins`` (``[N, G]`` fp32) for ``fxc::linear_w4``."""
+    if q.dim() != 2:
+        raise ValueError(f"expected [N, K] int4 codes, got shape {tuple(q.shape)}")
+    n, k = q.shape
+    _check_group(k, group_size)
+    g = _groups(k, group_size)
+    if tuple(scales.shape) != (n, g) or tuple(mins.shape) != (n, g):
+        raise ValueError(f"scales and mins must be [N={n}, G={g}], got {tuple(scales.shape)} and {tuple(mins.shape)}")
+    q = q.to(torch.uint8)
+    if q.numel() and int(q.max()) > 15:
+        raise ValueError(f"int4 codes must be in [0, 15], got a maximum of {int(q.max())}")
+    p = _panels(n)
+    qp = _pad_rows(q, p * NB).reshape(p, NB, k // 2, 2)
+    packed = (qp[..., 0] | (qp[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [P, K/2, 32]
+
+    def lay(t):
+        return _pad_rows(t.to(torch.float32), p * NB).reshape(p, NB, g).permute(0, 2, 1).contiguous()
+
+    return packed, lay(scales), lay(mins)
+
+
+def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_int4`: ``(q [n, K] uint8, scales [n, G], mins [n, G])``."""
+    p, half, nb = packed.shape
+    lo, hi = packed & 0x0F, packed >> 4
+    q = torch.stack([lo, hi], dim=2).reshape(p, 2 * half, nb).permute(0, 2, 1).reshape(p * nb, 2 * half)[:n]
+    g = scales.shape[1]
+    s = scales.permute(0, 2, 1).reshape(p * nb, g)[:n]
+    m = mins.permute(0, 2, 1).reshape(p * nb, g)[:n]
+    return q, s, m
+
+
+def dequantize_int4_codes(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``fl(fl(s·q) + m)`` per group, fp32 ``[N, K]`` (the op's value definition)."""
+    n, k = q.shape
+    idx = torch.arange(k) // group_size
+    s = scales[:, idx]
+    m = mins[:, idx]
+    return (q.to(torch.float32) * s) + m
+
+
+def dequantize_linear_weight_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int,
+                                  group_size: int) -> torch.Tensor:
+    """The fp32 ``[n, K]`` weight ``fxc::linear_w4`` multiplies by."""
+    q, s, m = unpack_int4(packed, scales, mins, n)
+    return dequantize_int4_codes(q, s, m, group_size)
+
+
+def quantize_linear_weight_int4(w: torch.Tensor, group_size: int = 128, symmetric: bool = False
+                                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Round-to-nearest int4 of a ``[N, K]`` weight, packed for ``fxc::linear_w4``.
+
+    Asymmetric (default, Q4_1-like): per group ``scale = (max − min) / 15``, ``min = min``,
+    ``q = round((w − min) / scale)``. Symmetric (Q4_0-like): ``scale = −absmax_signed / 8`` as
+    llama.cpp does (the value of largest magnitude maps to −8), ``min = −8·scale``.
+    A last group shorter than ``group_size`` (K not a multiple) is allowed. Error per value ≤ scale/2."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a [N, K] weight, got shape {tuple(w.shape)}")
+    w = w.detach().to(device="cpu", dtype=torch.float32)
+    n, k = w.shape
+    _check_group(k, group_size)
+    g = _groups(k, group_size)
+    pad = g * group_size - k
+    wg = torch.cat([w, w[:, -1:].expand(n, pad)], 1) if pad else w  # pad with a real value: no range change
+    wg = wg.reshape(n, g, group_size)
+    if symmetric:
+        idx = wg.abs().argmax(dim=2, keepdim=True)
+        peak = torch.gather(wg, 2, idx).squeeze(2)
+        scale = -peak / 8.0
+        safe = torch.where(scale != 0, scale, torch.ones_like(scale))
+        mins = -8.0 * scale
+        q = torch.clamp(torch.round(wg / safe[..., None]) + 8, 0, 15)
+    else:
+        lo, hi = wg.amin(dim=2), wg.amax(dim=2)
+        scale = (hi - lo) / 15.0
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        mins = lo
+        q = torch.clamp(torch.round((wg - lo[..., None]) / safe[..., None]), 0, 15)
+    q = q.reshape(n, g * group_size)[:, :k].to(torch.uint8)
+    return pack_int4(q, scale, mins, group_size)
+
+
+# ---------------------------------------------------------------------------
+# Fake kernel, ATen reference, lazy CPU kernel
+# ---------------------------------------------------------------------------
+@torch.library.register_fake("fxc::linear_w4", lib=_lib)
+def _linear_w4_fake(x, w_int4_packed, scales, mins, bias, n, group_size):
+    k = x.shape[-1]
+    torch._check(x.dtype in (torch.float32, torch.bfloat16), lambda: f"fxc::linear_w4: x dtype {x.dtype}")
+    torch._check(w_int4_packed.dtype == torch.uint8 and w_int4_packed.dim() == 3 and w_int4_packed.shape[2] == NB,
+                 lambda: f"fxc::linear_w4: packed weight must be uint8 [P, K/2, 32], got {tuple(w_int4_packed.shape)}")
+    torch._check(w_int4_packed.shape[1] * 2 == k, lambda: f"fxc::linear_w4: K mismatch (x has K={k})")
+    torch._check(n <= w_int4_packed.shape[0] * NB, lambda: f"fxc::linear_w4: n={n} larger than the packed panels")
+    return x.new_empty(tuple(x.shape[:-1]) + (n,))
+
+
+def linear_w4_reference(x, w_int4_packed, scales, mins, bias, n, group_size):
+    """ATen implementation of ``fxc::linear_w4``: dequantise exactly, then an fp32 matmul."""
+    w = dequantize_linear_weight_int4(w_int4_packed, scales, mins, n, group_size).to(x.device)
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w, b).to(x.dtype)
+
+
+_loader: Callable[[], bool] | None = None
+_reentry = threading.local()
+
+
+def set_quant_kernel_loader(loader: Callable[[], bool] | None) -> None:
+    """Install a backend's ``loader() -> bool`` (True: a CPU kernel for ``fxc::linear_w4`` is now registered)."""
+    global _loader
+    _loader = loader
+
+
+def _composite(*args):
+    x = args[0]
+    if _loader is not None and x.device.type == "cpu" and not getattr(_reentry, "active", False) and _loader():
+        _reentry.active = True
+        try:
+            return torch.ops.fxc.linear_w4.default(*args)
+        finally:
+            _reentry.active = False
+    return linear_w4_reference(*args)
+
+
+_lib.impl("linear_w4", _composite, "CompositeExplicitAutograd")
+linear_w4 = torch.ops.fxc.linear_w4.default

@@ -1,0 +1,135 @@
+"""From ``LLM``'s quantization arguments to the ``quantize`` pass's options (``options["quantization"]``).
+
+* ``llm_config.quantization_config``: ``W16A16`` → the ``auto_bfloat16_cast`` pass; ``W8A16`` /
+  ``W8A32`` → int8 weights (per channel, or ``quantization_group_size``) with bf16 / fp32
+  activations; ``W4A16`` / ``W4A32`` → int4 weights, group ``quantization_group_size`` (default 128);
+  everything else raises ``NotImplementedError`` with the reason (:func:`quant_config.supported_reason`).
+* ``keep_gguf_quantization=True`` (a GGUF source, e.g. the embedded default): the checkpoint's
+  Q4_0/Q4_1/Q8_0 blocks are used as they are (exact); other tensors stay as transformers
+  dequantised them. With a weight scheme as well, the matmuls without native blocks get that scheme.
+* ``quantize_lm_head=True``: the output projection is quantized too (int8; Q8_0 blocks of a GGUF's
+  tied ``token_embd``), as llama.cpp does; it is kept in float by default.
+* ``qformat_path`` (+ ``qparam_path``): per-module schemes and, optionally, their scales
+  (:mod:`fxcompiler.qformat`, :mod:`fxcompiler.qparam`), cross-checked against ``llm_config``;
+* ``quant_ckpt_file_path``: not implemented (raises).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .quant_config import QDtype, QuantizationConfig, supported_reason
+
+__all__ = ["directory_quantization_files", "quantization_options"]
+
+QFORMAT_FILE, QPARAM_FILE = "qformat.yaml", "qparam.safetensors"
+
+
+def directory_quantization_files(model) -> tuple[str | None, str | None]:
+    """``(qformat, qparam)`` paths of a model directory written by ``fxcompiler quantize`` (None when absent)."""
+    if not isinstance(model, (str, os.PathLike)) or not os.path.isdir(model):
+        return None, None
+    qformat, qparam = os.path.join(model, QFORMAT_FILE), os.path.join(model, QPARAM_FILE)
+    if not os.path.isfile(qformat):
+        return None, None
+    return qformat, (qparam if os.path.isfile(qparam) else None)
+
+
+def quantization_options(quantization_config: QuantizationConfig | None, *, qformat_path=None, qparam_path=None,
+                         quant_ckpt_file_path=None, keep_gguf_quantization: bool = False,
+                         quantize_lm_head: bool = False, group_size: int | None = None,
+                         gguf_path: os.PathLike | None = None, model_config: Any = None, check_source: bool = True
+                         ) -> tuple[dict[str, Any] | None, bool]:
+    """``(options["quantization"] or None, auto_bfloat16_cast)`` for the given arguments
+    (``check_source=False``: validate the arguments only, before the model is resolved)."""
+    if quant_ckpt_file_path is not None:
+        raise NotImplementedError(
+            f"quant_ckpt_file_path={os.fspath(quant_ckpt_file_path)!r}: pre-quantised checkpoints (compressed-tensors, "
+            "GPTQ, AWQ packings) are not read yet; use qformat_path/qparam_path, llm_config=LLMConfig("
+            "quantization_config=...) for RTN, or keep_gguf_quantization=True for a GGUF's own blocks")
+    qformat = None
+    if qparam_path is not None and qformat_path is None:
+        raise ValueError(f"qparam_path={os.fspath(qparam_path)!r} needs a qformat_path saying which modules it quantizes")
+    if qformat_path is not None:
+        from .qformat import load_qformat
+
+        qformat = load_qformat(qformat_path)
+        quantization_config = _cross_check(qformat.config, quantization_config, qformat.path)
+    for name, value in (("keep_gguf_quantization", keep_gguf_quantization), ("quantize_lm_head", quantize_lm_head)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                   or not (group_size == -1 or (group_size > 0 and group_size % 2 == 0))):
+        raise ValueError(f"quantization_group_size must be -1 (per channel) or a positive even int such as "
+                         f"32, 64, 128, got {group_size!r}")
+    if quantization_config is not None and not isinstance(quantization_config, QuantizationConfig):
+        raise TypeError("llm_config.quantization_config must be a QuantizationConfig, got "
+                        f"{type(quantization_config).__name__}")
+    opts: dict[str, Any] = {}
+    bf16 = False
+    if quantization_config is not None:
+        reason = supported_reason(quantization_config)
+        if reason is not None:
+            raise NotImplementedError(reason)
+        w, a = quantization_config.weight, quantization_config.activation
+        bf16 = a == QDtype.BF16
+        if qformat is not None:
+            if group_size is not None:
+                raise ValueError("quantization_group_size and qformat_path both set: the qformat's schemes give "
+                                 "the group sizes")
+            opts = {"weight": "rules", **qformat.to_options(), "qformat_sha256": qformat.sha256}
+            if qparam_path is not None:
+                from .qparam import load_qparam, qparam_digest
+
+                load_qparam(qparam_path)  # refuses pickle and unreadable files before anything is built
+                opts["qparam"] = {"path": os.fspath(qparam_path), "sha256": qparam_digest(qparam_path)}
+        elif w == QDtype.INT8:
+            opts = {"weight": "int8", "group_size": -1 if group_size is None else group_size}
+        elif w == QDtype.INT4:
+            if group_size == -1:
+                raise ValueError("quantization_group_size=-1 (per channel) is not available for int4 weights; "
+                                 "use 32, 64 or 128")
+            opts = {"weight": "int4", "group_size": 128 if group_size is None else group_size}
+    if keep_gguf_quantization and not check_source:
+        opts.setdefault("weight", "native")
+    elif keep_gguf_quantization:
+        if gguf_path is None:
+            raise ValueError("keep_gguf_quantization=True needs a GGUF model (a .gguf file or the embedded default)")
+        from .models.loader import _file_digest
+
+        opts.setdefault("weight", "native")
+        opts["gguf"] = {"path": os.fspath(gguf_path), "sha256": _file_digest(gguf_path),
+                        "num_heads": getattr(model_config, "num_attention_heads", None),
+                        "num_kv_heads": getattr(model_config, "num_key_value_heads", None)}
+    if quantize_lm_head and qformat is not None:
+        raise ValueError("quantize_lm_head and qformat_path both set: name lm_head in the qformat's modules instead")
+    if quantize_lm_head:
+        if not opts:
+            raise ValueError("quantize_lm_head=True needs a weight quantization scheme or keep_gguf_quantization=True")
+        opts["lm_head"] = True
+    elif opts:
+        opts["lm_head"] = False
+    if opts and quantization_config is not None:
+        opts["scheme"] = str(quantization_config)
+    elif opts:
+        opts["scheme"] = "gguf-native"
+    return (opts or None), bf16
+
+
+def _cross_check(fmt: QuantizationConfig, given: QuantizationConfig | None, path: str) -> QuantizationConfig:
+    """The qformat's config, checked against ``llm_config.quantization_config`` as furiosa does: the weight
+    and activation dtypes must agree, and so must the KV-cache dtype; the KV cache of a float scheme is
+    kept in the activation dtype, so a qformat's float ``--kv_dtype`` must be that dtype."""
+    if given is not None and (given.weight, given.activation) != (fmt.weight, fmt.activation):
+        raise ValueError(f"qformat_path={path!r} describes {fmt} but llm_config.quantization_config is {given}")
+    if given is not None and given.kv_cache is not None and fmt.kv_cache is not None and given.kv_cache != fmt.kv_cache:
+        raise ValueError(f"qformat_path={path!r}: --kv_dtype {fmt.kv_cache.value} conflicts with "
+                         f"llm_config.quantization_config.kv_cache={given.kv_cache.value}")
+    kv = fmt.kv_cache if fmt.kv_cache is not None else (given.kv_cache if given is not None else None)
+    reason = supported_reason(QuantizationConfig(fmt.weight, fmt.activation, kv))
+    if reason is not None:
+        raise NotImplementedError(f"qformat_path={path!r}: {reason}")
+    if kv is not None and kv.is_float and kv != QDtype.FP8 and kv != fmt.activation:
+        raise ValueError(f"qformat_path={path!r}: --kv_dtype {kv.value} with --act_dtype {fmt.activation.value}: the "
+                         "KV cache is kept in the activation dtype (int8/fp8 caches are not implemented)")
+    return QuantizationConfig(fmt.weight, fmt.activation, kv, fmt.use_mcp)

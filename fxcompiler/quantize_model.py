@@ -1,0 +1,158 @@
+"""``fxcompiler quantize MODEL OUT``: write a quantized model directory that ``LLM(OUT)`` loads.
+
+OUT holds the model's own files (config, tokenizer, float safetensors weights) plus
+
+* ``qformat.yaml``: furiosa's metadata line and the scheme every linear module gets (lm_head and
+  embeddings kept in float);
+* ``qparam.safetensors``: per module ``M.weight_scale``, ``M.weight_min`` (int4) and ``M.qweight``
+  (the codes), as :mod:`fxcompiler.qparam` defines them;
+* ``quantization_recipe.json``: scheme, algorithm, seed, the calibration data's source and sha256,
+  the qformat/qparam digests.
+
+Built: RTN (round to nearest) for ``w8a16`` (int8 per channel) and ``w4a16-g{32,64,128}`` (asymmetric
+int4 per group). GPTQ, SmoothQuant and the W8A8/FP8/KV8 schemes raise ``NotImplementedError``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from .qformat import ModuleScheme, write_qformat
+from .qparam import qparam_digest, save_qparam
+from .quant_config import QuantizationConfig
+from .quant_options import QFORMAT_FILE, QPARAM_FILE
+
+__all__ = ["RECIPE_FILE", "parse_scheme", "quantize_model"]
+
+RECIPE_FILE = "quantization_recipe.json"
+_LATER = {"w8a8": "W8A8 (per-token int8 activation kernels, SmoothQuant)", "fp8": "FP8 (e4m3) weight kernels",
+          "kv8": "an int8/fp8 KV cache with scales inside the paged-attention kernels"}
+
+
+def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
+    """``w8a16`` | ``w4a16-g{32,64,128}`` → (config, the modules' scheme)."""
+    s = scheme.strip().lower()
+    if s == "w8a16":
+        return QuantizationConfig.w_i8_a_16(), ModuleScheme("int8", -1, True)
+    m = re.fullmatch(r"w4a16-g(32|64|128)", s)
+    if m:
+        return QuantizationConfig.w_4_a_16(), ModuleScheme("int4", int(m.group(1)), False)
+    if s in _LATER:
+        raise NotImplementedError(f"--scheme {scheme}: {_LATER[s]} not implemented yet (issue 17); "
+                                  "built: w8a16, w4a16-g32, w4a16-g64, w4a16-g128")
+    raise ValueError(f"--scheme must be w8a16, w4a16-g32, w4a16-g64, w4a16-g128 (or w8a8, fp8, kv8, not built yet), "
+                     f"got {scheme!r}")
+
+
+def _linear_modules(config) -> list[str]:
+    """Names of the model's nn.Linear modules except the output projection (built on the meta device)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    out_emb = model.get_output_embeddings()
+    names = [n for n, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and mod is not out_emb]
+    if not names:
+        raise NotImplementedError(f"model type {config.model_type!r} has no nn.Linear projections (e.g. GPT-2's "
+                                  "Conv1D); the quantize pass rewrites transposed linear weights only")
+    return names
+
+
+def _load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir}: no *.safetensors weights to quantize")
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
+
+
+def _rtn(w: torch.Tensor, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
+    """RTN codes and scales of one ``[N, K]`` weight (the quantize pass's own rounding)."""
+    from .ops.quant_linear import quantize_linear_weight_int4, unpack_int4
+
+    w = w.detach().to(torch.float32)
+    n, k = w.shape
+    if scheme.weight == "int8":
+        amax = w.abs().amax(dim=1, keepdim=True)
+        s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+        return {"weight_scale": s, "qweight": torch.clamp(torch.round(w / s), -127, 127).to(torch.int8)}
+    packed, s, m = quantize_linear_weight_int4(w, scheme.group_size, scheme.symmetric)
+    q, s, m = unpack_int4(packed, s, m, n)
+    out = {"weight_scale": s.contiguous(), "qweight": q.contiguous()}
+    if not scheme.symmetric:
+        out["weight_min"] = m.contiguous()
+    return out
+
+
+def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm: str = "rtn",
+                   calib_data: str | os.PathLike | None = None, num_samples: int = 128, seq_len: int = 512,
+                   seed: int = 0, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
+    """Quantize ``model`` (id, HF directory or .gguf) into the directory ``out``; returns it."""
+    from .calibration import calibration_text, text_digest
+    from .models.loader import load_config, model_directory
+    from .models.sources import resolve_model_source
+
+    config_q, module_scheme = parse_scheme(scheme)
+    if algorithm in ("gptq", "smoothquant"):
+        raise NotImplementedError(f"--algorithm {algorithm} is not implemented yet (issue 17); built: rtn")
+    if algorithm != "rtn":
+        raise ValueError(f"--algorithm must be rtn (gptq, smoothquant: not built yet), got {algorithm!r}")
+    for name, v in (("num_samples", num_samples), ("seq_len", seq_len)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {v!r}")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output directory {str(out)!r} exists and is not empty")
+    if calib_data is not None:
+        calib_text, calib_source = Path(calib_data).read_text(encoding="utf-8"), os.fspath(calib_data)
+    else:
+        calib_text, calib_source = calibration_text(), "pydoc_data.topics (even-indexed topics by name)"
+    source = resolve_model_source(model)
+    model_dir = Path(model_directory(source, cache_dir))
+    config = load_config(model_dir, {}, False)
+    modules = _linear_modules(config)
+    weights = _load_weights(model_dir)
+    missing = [m for m in modules if f"{m}.weight" not in weights]
+    if missing:
+        raise ValueError(f"{model_dir}: linear weights missing from the checkpoint, e.g. {missing[0]}.weight")
+    torch.manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    bar = _progress(modules, progress)
+    for m in bar:
+        for suffix, t in _rtn(weights[f"{m}.weight"], module_scheme).items():
+            tensors[f"{m}.{suffix}"] = t
+    out.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.name not in (QFORMAT_FILE, QPARAM_FILE, RECIPE_FILE):
+            shutil.copy2(f, out / f.name)
+    write_qformat(out / QFORMAT_FILE, config_q, module_scheme, {},
+                  {"weight_calib_method": "AMAX_SYM" if module_scheme.weight == "int8" else "MINMAX_ASYM",
+                   "algorithm": algorithm})
+    save_qparam(out / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm})
+    recipe = {"scheme": scheme, "config": str(config_q), "algorithm": algorithm, "seed": seed,
+              "module_scheme": module_scheme.to_dict(), "modules": len(modules), "source_model": source.model_id,
+              "calibration": {"source": calib_source, "sha256": text_digest(calib_text), "num_samples": num_samples,
+                              "seq_len": seq_len, "read": False,
+                              "note": "RTN reads no calibration data; the hash records what a calibrating "
+                                      "algorithm would read"},
+              "qformat_sha256": qparam_digest(out / QFORMAT_FILE), "qparam_sha256": qparam_digest(out / QPARAM_FILE)}
+    (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
+    return out
+
+
+def _progress(items, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm ships with huggingface_hub
+        return items
+    return tqdm(items, desc="quantize", unit="module", file=sys.stderr, disable=not enabled)

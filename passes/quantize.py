@@ -1,0 +1,261 @@
+"""``quantize``: parameter matmuls become weight-only quantized ops on weights packed at build time.
+
+Requires: ``weight_layout`` and ``fuse_projections`` have run (matmuls read ``[K, N]`` parameters named
+``W.T`` or ``A.T+B.T+...`` for fused projections); runs before ``lower_cpu_kernels`` (which only
+lowers the float matmuls left over). Reads ``ctx.options["quantization"]`` (a JSON-able dict, part of
+the compile-cache key), absent or None = nothing to do:
+
+* ``weight``: ``"rules"`` → per-module schemes from a qformat (``rules``: ``[[pattern, scheme], ...]``,
+  first fnmatch on transformers' module name wins, ``default`` for the rest; the output projection
+  only when a pattern names it; a pattern that matches no matmul raises), with ``qparam``
+  (``{"path", "sha256"}``, :mod:`fxcompiler.qparam`) giving the scales/mins (and optionally the
+  codes): missing, extra or misshapen tensors raise naming the tensor; ``"int8"`` → ``fxc::linear_w8`` (symmetric, per-channel when ``group_size`` is -1, else
+  per group of ``group_size`` along K, which must divide K); ``"int4"`` → ``fxc::linear_w4``
+  (asymmetric scale + min per group of ``group_size``, default 128; a shorter last group is allowed);
+  ``"native"`` → only the checkpoint's own quantized tensors (``gguf``), everything else kept;
+* ``symmetric`` (int4 only): Q4_0-style codes instead of Q4_1-style;
+* ``lm_head``: also quantize the output projection (the tied embedding's ``lm_head``) to int8 — per
+  channel, or the GGUF's own Q8_0 blocks when the embedding is Q8_0, as llama.cpp computes it;
+  kept in float by default (it is the most sensitive matmul);
+* ``gguf``: ``{"path": ..., "num_heads": H, "num_kv_heads": Hkv}``: use the GGUF's Q4_0/Q4_1/Q8_0
+  blocks as they are (:mod:`fxcompiler.models.gguf_quant`) for every matmul whose parameters all
+  have one, and check that they dequantise bit-exactly to the float parameter transformers made
+  of them (a mismatch raises: it would mean a wrong name or row mapping).
+
+Ensures: each rewritten matmul (``+ bias``) computes ``x @ dequant(Wq)`` with fp32 accumulation; with
+``gguf`` that is exactly the captured float weight, so the function is unchanged up to accumulation
+order; with RTN the weight error per value is at most half a quantization step (scale/2).
+Signature: each rewritten weight ``W`` becomes parameter inputs ``<W>.q``, ``<W>.scales`` (and
+``<W>.mins`` for int4); ``W`` is dropped unless something else reads it (a tied embedding's lookup).
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.fx import GraphModule
+
+from fxcompiler.ops.linear import NB, _pad_rows, _panels, quantize_linear_weight_int8
+from fxcompiler.ops.quant_linear import pack_int4, quantize_linear_weight_int4
+from fxcompiler.pass_manager import CompileContext, PassError, PassResult, register_pass
+from fxcompiler.qparam import QParamSet as _QParams
+
+from .lower_cpu_kernels import _match
+
+log = logging.getLogger("fxcompiler.passes")
+
+_HEAD_WORDS = ("lm_head", "embed_tokens", "wte", "embed_out", "output.weight")
+
+
+def _sources(target: str) -> list[str]:
+    """The original parameter names behind a (fused, transposed) parameter name."""
+    return [p.removesuffix(".T") for p in target.split("+")]
+
+
+def _native_name(name: str, tensors: dict) -> str:
+    """The checkpoint tensor name of a captured parameter: the capture may prefix the module path
+    (``model.model.layers...``); a tied ``lm_head`` is the embedding (GGUF stores ``token_embd`` only)."""
+    parts = name.split(".")
+    for i in range(len(parts)):
+        cand = ".".join(parts[i:])
+        if cand in tensors:
+            return cand
+        if cand == "lm_head.weight" and "model.embed_tokens.weight" in tensors:
+            return "model.embed_tokens.weight"
+    return name
+
+
+def _module_name(param: str) -> str:
+    """transformers' module name of a captured parameter (the capture wraps the model as ``model.``)."""
+    name = param.removesuffix(".weight")
+    if name.startswith("model.") and name[6:].split(".")[0] in ("model", "lm_head", "transformer", "gpt_neox",
+                                                                  "embed_out"):
+        name = name[6:]
+    return name
+
+
+def _rules(cfg: dict, weight: str) -> tuple[list, dict]:
+    """``(rules, default scheme)`` of the pass options (a qformat's, or one global scheme)."""
+    if weight == "rules":
+        return [tuple(r) for r in cfg.get("rules", [])], dict(cfg.get("default") or {"weight": "keep"})
+    if weight == "native":
+        return [], {"weight": "keep"}
+    group = int(cfg.get("group_size", 128 if weight == "int4" else -1))
+    return [], {"weight": weight, "group_size": group, "symmetric": bool(cfg.get("symmetric", weight == "int8"))}
+
+
+def _is_head(names: list[str]) -> bool:
+    return any(w in n for n in names for w in _HEAD_WORDS)
+
+
+def pack_int8_codes(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Pack int8 codes ``[N, K]`` with per-group scales ``[N, G]`` (G = K / group) for ``fxc::linear_w8``."""
+    n, k = q.shape
+    g = scales.shape[1]
+    p = _panels(n)
+    packed = _pad_rows(q.to(torch.int8), p * NB).reshape(p, NB, k).permute(0, 2, 1).contiguous()
+    if g == 1:
+        return packed, _pad_rows(scales[:, 0].float(), p * NB).contiguous(), -1
+    lay = _pad_rows(scales.float(), p * NB).reshape(p, NB, g).permute(0, 2, 1).contiguous()
+    return packed, lay, k // g
+
+
+@register_pass("quantize")
+class QuantizePass:
+    def __init__(self, config: dict | None = None):
+        self.config = config
+
+    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
+        cfg = self.config if self.config is not None else ctx.options.get("quantization")
+        if not cfg:
+            return PassResult(gm, False, {"quantized": 0})
+        weight = cfg.get("weight", "int8")
+        if weight not in ("int8", "int4", "native", "rules"):
+            raise PassError(f"quantize: weight must be 'int8', 'int4', 'native' or 'rules', got {weight!r}")
+        rules, default = _rules(cfg, weight)
+        native = None
+        if cfg.get("gguf"):
+            from fxcompiler.models.gguf_quant import read_native
+
+            g = cfg["gguf"]
+            native = read_native(g["path"], g.get("num_heads"), g.get("num_kv_heads"))
+        qparam = _QParams(cfg["qparam"]["path"]) if cfg.get("qparam") else None
+        graph = gm.graph
+        sites = [s for node in list(graph.nodes) if (s := _match(node, ctx)) is not None and s.transposed]
+        packed: dict[str, tuple] = {}
+        matched: set[int] = set()
+        seen: set[str] = set()
+        info = {"quantized": 0, "kept": 0, "native": 0, "rtn": 0, "exact_checked": 0, "ops": {}, "weight_bytes": 0}
+        for site in sites:
+            target = ctx.placeholder_spec(site.w).target
+            names = _sources(target)
+            seen.update(_module_name(n) for n in names)
+            if target not in packed:
+                scheme = self._scheme(names, rules, default, cfg, matched)
+                packed[target] = self._pack(gm, ctx, site, target, names, scheme, native, qparam, info)
+            op = packed[target]
+            if op is None:
+                info["kept"] += 1
+                continue
+            kind, args = op
+            with graph.inserting_before(site.out):
+                if kind == "w4":
+                    q, s, m, gs = args
+                    new = graph.call_function(torch.ops.fxc.linear_w4.default, (site.x, q, s, m, site.bias, site.n, gs))
+                else:
+                    q, s, gs = args
+                    new = graph.call_function(torch.ops.fxc.linear_w8.default, (site.x, q, s, site.bias, site.n, gs))
+            new.meta["val"] = site.out.meta.get("val")
+            site.out.replace_all_uses_with(new)
+            for node in site.erase:
+                graph.erase_node(node)
+            ctx.drop_param_if_unused(gm, site.w)
+            info["quantized"] += 1
+            info["ops"][kind] = info["ops"].get(kind, 0) + 1
+        unmatched = [p for i, (p, _) in enumerate(rules) if i not in matched]
+        if unmatched:
+            mods = sorted(seen)
+            raise ValueError(f"quantize: qformat module pattern {unmatched[0]!r} matches no matmul of the model "
+                            f"(modules: {', '.join(mods[:6])}{', ...' if len(mods) > 6 else ''})")
+        if qparam is not None:
+            qparam.check_all_used()
+        info["dropped_params"] = ctx.drop_unused_params(gm)
+        if native is not None:
+            info["gguf_skipped"] = dict(native.skipped)
+        log.info("quantize: %d matmuls quantized (%d from the checkpoint's blocks, %d RTN), %d kept",
+                 info["quantized"], info["native"], info["rtn"], info["kept"])
+        return PassResult(gm, info["quantized"] > 0, info)
+
+    # ------------------------------------------------------------------------------------------------
+    @staticmethod
+    def _scheme(names, rules, default, cfg, matched) -> dict:
+        """One scheme for a (fused) matmul; every fused module must resolve to the same one."""
+        from fxcompiler.qformat import match_rule
+
+        schemes = []
+        for name in names:
+            mod = _module_name(name)
+            head = _is_head([name])
+            idx, scheme = match_rule(mod, rules, None if head else default)
+            if idx is not None:
+                matched.add(idx)
+            if scheme is None:  # the output projection: kept unless named (or lm_head=True)
+                scheme = {"weight": "int8", "group_size": -1, "symmetric": True} if cfg.get("lm_head") \
+                    else {"weight": "keep"}
+            schemes.append(dict(scheme, head=head))
+        if any({k: v for k, v in s.items() if k != "head"} != {k: v for k, v in schemes[0].items() if k != "head"}
+               for s in schemes):
+            raise ValueError("quantize: the qformat gives different schemes to modules fused into one matmul ("
+                            + ", ".join(_module_name(n) for n in names) + "); give them one scheme")
+        return schemes[0]
+
+    def _pack(self, gm, ctx, site, target, names, scheme, native, qparam, info):
+        w_kn = ctx.param_of(site.w)
+        head = scheme["head"]
+        if head and scheme["weight"] == "keep":
+            return None
+        from_ckpt = None
+        if native is not None:
+            names = [_native_name(n, native.tensors) for n in names]
+        if native is not None and all(n in native.tensors for n in names):
+            parts = [native.tensors[n] for n in names]
+            if len({p.bits for p in parts}) == 1:
+                from_ckpt = parts
+        if from_ckpt is not None:
+            exact = self._check_exact(from_ckpt, w_kn, target)
+            info["exact_checked"] += exact
+            codes = torch.cat([p.codes for p in from_ckpt], 0)
+            scales = torch.cat([p.scales for p in from_ckpt], 0)
+            info["native"] += 1
+            if from_ckpt[0].bits == 4:
+                mins = torch.cat([p.mins for p in from_ckpt], 0)
+                q, s, m = pack_int4(codes, scales, mins, 32)
+                return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (32,)
+            q, s, gs = pack_int8_codes(codes, scales)
+            return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
+        weight = scheme["weight"]
+        if weight == "keep" or w_kn.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        w = w_kn.t()  # [N, K] view
+        group = int(scheme.get("group_size", -1))
+        if weight == "int4" and group == -1:
+            group = site.k  # one group per row
+        if qparam is not None:
+            codes, scales, mins = qparam.codes_for([_module_name(n) for n in names], w, weight, group,
+                                                   bool(scheme.get("symmetric", weight == "int8")))
+            info["from_qparam"] = info.get("from_qparam", 0) + 1
+            if weight == "int4":
+                q, s, m = pack_int4(codes, scales, mins, group)
+                return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
+            q, s, gs = pack_int8_codes(codes, scales)
+            return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
+        info["rtn"] += 1
+        if weight == "int4":
+            q, s, m = quantize_linear_weight_int4(w, group, bool(scheme.get("symmetric", False)))
+            return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
+        if group > 0 and site.k % group:
+            raise PassError(f"quantize: int8 group_size={group} does not divide K={site.k} of {target!r}; use a "
+                            "divisor of K or -1 (per channel)")
+        q, s = quantize_linear_weight_int8(w, group)
+        return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (group,)
+
+    @staticmethod
+    def _add(gm, ctx, target, info, **tensors) -> tuple:
+        out = []
+        for suffix, value in tensors.items():
+            info["weight_bytes"] += value.numel() * value.element_size()
+            out.append(ctx.add_param_input(gm, f"{target}.{suffix}", value))
+        return tuple(out)
+
+    @staticmethod
+    def _check_exact(parts, w_kn: torch.Tensor, target: str) -> int:
+        """The checkpoint's blocks must dequantise to the float parameter bit for bit."""
+        dq = torch.cat([p.dequantize() for p in parts], 0)
+        ref = w_kn.t().to(torch.float32)
+        if w_kn.dtype != torch.float32:
+            return 0  # a bf16 model was rounded after dequantisation; nothing exact to compare
+        # value equality (Q4_0's d·(q−8) gives −0.0 where d·q − 8d gives +0.0; every other bit pattern is equal)
+        if dq.shape != ref.shape or not torch.equal(dq, ref):
+            raise PassError(f"quantize: the GGUF blocks of {target!r} do not dequantise to the captured weight "
+                            "(wrong tensor mapping or row permutation)")
+        return 1

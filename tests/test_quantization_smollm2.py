@@ -1,0 +1,38 @@
+"""End to end: the embedded SmolLM2 Q4_1 GGUF run on its own blocks (``keep_gguf_quantization=True``).
+
+Every Q4_1/Q8_0 tensor is repacked without dequantisation and checked, inside the ``quantize`` pass, to
+dequantise to transformers' fp32 tensor (a mismatch raises); greedy tokens equal transformers' fp32
+dequantised model (divergence allowed only at a near-tie, the rule of tests/test_smollm2.py).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxcompiler import LLM, SamplingParams
+from fxcompiler.models.loader import model_directory
+from fxcompiler.models.sources import DEFAULT_MODEL_ID, resolve_model_source
+
+from .test_smollm2 import PROMPTS, _check_against_hf
+
+pytestmark = pytest.mark.slow
+
+
+def test_native_q4_1_greedy_matches_transformers_fp32():
+    from fxcompiler import ManualBucketConfig
+
+    llm = LLM(DEFAULT_MODEL_ID, keep_gguf_quantization=True, max_seq_len_to_capture=256,
+              bucket_config=ManualBucketConfig([(1, 64)], [(1, 256)]))
+    info = next(h for h in llm._build.context.history if h["pass"] == "quantize")
+    assert info["native"] == 4 * 30 and info["exact_checked"] == 4 * 30 and info["kept"] == 1, info
+    assert llm.quantization["scheme"] == "gguf-native"
+    packed = sum(t.numel() * t.element_size() for k, t in llm._build.params.items() if k.endswith((".q", ".scales", ".mins")))
+    assert packed < 90e6  # int4 codes + fp32 scale/min per 32: 0.75 byte per weight (fp32: 4)
+    outs = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=24,
+                                                                                 ignore_eos=True))]
+    from transformers import AutoModelForCausalLM
+
+    path = model_directory(resolve_model_source(DEFAULT_MODEL_ID), llm.cache_dir)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    for prompt, out in zip(PROMPTS, outs):
+        _check_against_hf(hf, llm.tokenizer(prompt)["input_ids"], out)

@@ -1,0 +1,67 @@
+"""``fxcompiler quantize MODEL OUT``: a directory LLM(OUT) loads, computing with the qparam's codes;
+the calibration text split; unbuilt schemes and algorithms raise with the reason."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from fxcompiler import LLM, SamplingParams
+from fxcompiler.calibration import split_topics
+from fxcompiler.cli import main
+
+
+def test_pydoc_topics_split_is_deterministic_and_disjoint():
+    from pydoc_data.topics import topics
+
+    calib, held = split_topics()
+    assert (calib, held) == split_topics()
+    names = sorted(topics)
+    assert topics[names[0]] in calib and topics[names[1]] in held and topics[names[1]] not in calib
+    assert len(calib) + len(held) + 4 >= sum(len(v) for v in topics.values())
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--scheme", "w8a8"], "W8A8 .* not implemented yet"),
+    (["--scheme", "kv8"], "KV cache with scales .* not implemented yet"),
+    (["--scheme", "w4a16-g48"], "--scheme must be w8a16"),
+    (["--scheme", "w8a16", "--algorithm", "gptq"], "--algorithm gptq is not implemented yet"),
+])
+def test_unbuilt_schemes_are_reported(tmp_path, capsys, argv, match):
+    assert main(["quantize", str(tmp_path / "none"), str(tmp_path / "out"), *argv]) == 2
+    import re
+
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_quantized_directory_loads_and_matches_rtn(tiny_models, tmp_path, capsys):
+    out = tmp_path / "w4"
+    assert main(["quantize", str(tiny_models["llama"]), str(out), "--scheme", "w4a16-g32"]) == 0
+    assert "LLM(" in capsys.readouterr().out
+    recipe = json.loads((out / "quantization_recipe.json").read_text())
+    assert recipe["algorithm"] == "rtn" and recipe["config"] == "W4A16" and recipe["modules"] == 14
+    assert len(recipe["calibration"]["sha256"]) == 16 and recipe["seed"] == 0
+    assert (out / "qformat.yaml").read_text().startswith("--weight_dtype int4 --act_dtype bf16 --kv_dtype bf16")
+    assert main(["quantize", str(tiny_models["llama"]), str(out), "--scheme", "w8a16"]) == 2  # not empty
+
+    llm = LLM(str(out), max_seq_len_to_capture=64, cache_dir=None)
+    info = next(h for h in llm.pass_history if h["pass"] == "quantize")
+    assert info["from_qparam"] == 8 and info["ops"] == {"w4": 8} and info["kept"] == 1  # 2 x (qkv, o, gate_up, down)
+    assert llm.quantization["scheme"] == "W4A16KV16"
+    # the engine multiplies by exactly the file's codes, scales and mins
+    from safetensors.torch import load_file
+
+    from fxcompiler.ops.quant_linear import unpack_int4
+
+    qp = load_file(str(out / "qparam.safetensors"))
+    base = next(k for k in llm._build.params if "layers.1.mlp.down_proj" in k and k.endswith(".q"))[:-2]
+    q, s, m = unpack_int4(llm._build.params[base + ".q"], llm._build.params[base + ".scales"],
+                          llm._build.params[base + ".mins"], 64)
+    mod = "model.layers.1.mlp.down_proj"
+    assert torch.equal(q, qp[f"{mod}.qweight"]) and torch.equal(s, qp[f"{mod}.weight_scale"])
+    assert torch.equal(m, qp[f"{mod}.weight_min"])
+    outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    llm.shutdown()
