@@ -24,7 +24,10 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -1357,12 +1360,27 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return pr.out;
 }
 
+// fxc::linear_by_m: the per-M-range choice of passes/lower_cpu_kernels, made per call from M = numel / K
+// (fxc_m: inclusive [lo, hi] pairs, hi = -1 unbounded, where fxc::linear wins; elsewhere the ATen op it
+// replaced, on the dense weight: [K, N] with w_kn, x @ W (+ bias); else [N, K], F.linear).
+at::Tensor linear_by_m(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_dense, bool w_kn,
+                       const std::optional<at::Tensor>& bias, int64_t n, at::IntArrayRef fxc_m) {
+  const int64_t K = x.size(-1);
+  const int64_t M = K > 0 ? x.numel() / K : 0;
+  for (size_t i = 0; i + 1 < fxc_m.size(); i += 2)
+    if (M >= fxc_m[i] && (fxc_m[i + 1] < 0 || M <= fxc_m[i + 1])) return linear(x, w_packed, bias, n);
+  if (!w_kn) return at::linear(x, w_dense, bias);
+  at::Tensor y = at::matmul(x, w_dense);
+  return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
+}
+
 }  // namespace
 }  // namespace fxc
 
 TORCH_LIBRARY_IMPL(fxc, CPU, m) {
   m.impl("linear", &fxc::linear);
   m.impl("linear_w8", &fxc::linear_w8);
+  m.impl("linear_by_m", &fxc::linear_by_m);
 }
 
 // The ISA this library was compiled for, queried from Python via ctypes.
