@@ -37,8 +37,11 @@ Who measures, who decides (the layering rule: passes import only ``fxcompiler``)
   choice merge into one range (:func:`plan_m_ranges`). One choice for every M: ``fxc::linear`` (or
   ATen, untouched), as before; different choices: ``fxc::linear_by_m``, which picks per call from M and
   holds **both** layouts of the weight (the packed one and the ATen one), so such a node costs its
-  weight's memory twice (``PassResult.info["dual_layout_bytes"]``). The choice, the plan and the
-  timings go to ``PassResult.info["decisions"]`` and one log line per shape.
+  weight's memory twice (``PassResult.info["dual_layout_bytes"]``). Those second copies are capped at
+  ``max_dual_fraction`` (default 0.25) of the matched weights' bytes: the shapes whose ranges gain most
+  (``range_gain``: the weighted ``|log speedup|`` at the Ms they change) go first, the others keep their
+  uniform choice. The choice, the plan and the timings go to ``PassResult.info["decisions"]`` and one log
+  line per shape.
 
 ``force=True`` lowers every eligible matmul without measuring. Fallbacks: kernels unavailable
 (the tuner's ISA is ``'aten'``: no compiler, a CPU without AVX2, ``FXCOMPILER_CPU_ISA=aten``),
@@ -176,7 +179,7 @@ def _match(node: Node, ctx: CompileContext) -> _Site | None:
 class LowerCpuKernelsPass:
     def __init__(self, force: bool = False, tuner: LinearKernelTuner | None = None,
                  ms: tuple[int, ...] = (1, 16, 64, 256), decode_weight: float = 0.5, min_speedup: float = 1.0,
-                 per_m_range: bool = True, range_margin: float = 1.1):
+                 per_m_range: bool = True, range_margin: float = 1.1, max_dual_fraction: float = 0.25):
         self.force = force
         self.tuner = tuner
         self.ms = tuple(ms)
@@ -184,6 +187,7 @@ class LowerCpuKernelsPass:
         self.min_speedup = min_speedup
         self.per_m_range = per_m_range
         self.range_margin = range_margin
+        self.max_dual_fraction = max_dual_fraction
 
     # -- decision ---------------------------------------------------------------------------------
     def _weights(self) -> dict[int, float]:
@@ -199,14 +203,45 @@ class LowerCpuKernelsPass:
         log_speedup = sum(w * math.log(t.aten[m] / t.fxc[m]) for m, w in weights.items())
         speedup = math.exp(log_speedup)
         uniform = speedup > self.min_speedup
-        plan = (plan_m_ranges({m: t.aten[m] / t.fxc[m] for m in weights}, uniform, self.min_speedup,
-                              self.range_margin) if self.per_m_range else [MRange(0, None, uniform)])
+        per_m = {m: t.aten[m] / t.fxc[m] for m in weights}
+        plan = (plan_m_ranges(per_m, uniform, self.min_speedup, self.range_margin) if self.per_m_range
+                else [MRange(0, None, uniform)])
+        # what the ranges win over the uniform choice: weighted |log speedup| at the Ms they change
+        gain = sum(weights[m] * abs(math.log(per_m[m])) for m in weights
+                   if next(r for r in plan if m >= r.lo and (r.hi is None or m <= r.hi)).use_fxc != uniform)
         return {"k": site.k, "n": site.n, "dtype": str(site.dtype).removeprefix("torch."), "baseline": site.baseline,
-                "use_fxc": any(r.use_fxc for r in plan), "ranged": len(plan) > 1,
+                "use_fxc": any(r.use_fxc for r in plan), "ranged": len(plan) > 1, "uniform_fxc": uniform,
+                "range_gain": round(gain, 4),
                 "plan": [(r.lo, r.hi, "fxc" if r.use_fxc else "aten") for r in plan], "fxc_m": fxc_ranges(plan),
                 "speedup": round(speedup, 3),
                 "fxc_us": {m: round(t.fxc[m] * 1e6, 2) for m in sorted(t.fxc)},
                 "aten_us": {m: round(t.aten[m] * 1e6, 2) for m in sorted(t.aten)}, "cached": t.cached}
+
+    def _dual_budget(self, decisions: dict[tuple, dict], sites: list[_Site], ctx: CompileContext) -> None:
+        """Keep the second weight layouts within ``max_dual_fraction`` of the matched weights' bytes: ranged
+        shapes in order of ``range_gain`` while they fit; the others fall back to their uniform choice."""
+        per_key: dict[tuple, int] = {}
+        seen: set[str] = set()
+        total = 0
+        for site in sites:
+            target = ctx.placeholder_spec(site.w).target
+            if target in seen:
+                continue
+            seen.add(target)
+            weight = ctx.param_of(site.w)
+            nbytes = weight.numel() * weight.element_size()
+            total += nbytes
+            key = (site.k, site.n, site.dtype, site.baseline)
+            per_key[key] = per_key.get(key, 0) + nbytes
+        budget = self.max_dual_fraction * total
+        for key in sorted((k for k, d in decisions.items() if d["ranged"]), key=lambda k: -decisions[k]["range_gain"]):
+            d = decisions[key]
+            if per_key.get(key, 0) <= budget:
+                budget -= per_key.get(key, 0)
+                continue
+            u = d["uniform_fxc"]
+            d.update(ranged=False, use_fxc=u, plan=[(0, None, "fxc" if u else "aten")], fxc_m=[0, -1] if u else [],
+                     dual_budget="exceeded")
 
     # -- pass ---------------------------------------------------------------------------------------
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
@@ -237,18 +272,24 @@ class LowerCpuKernelsPass:
         lowered = ranged = 0
         for site in sites:
             key = (site.k, site.n, site.dtype, site.baseline)
-            if key not in decisions:
-                if self.force:
-                    decisions[key] = {"k": site.k, "n": site.n, "dtype": str(site.dtype).removeprefix("torch."),
-                                      "baseline": site.baseline, "use_fxc": True, "ranged": False, "forced": True}
-                else:
-                    decisions[key] = d = self._decide(tuner, site)
-                    log.info("lower_cpu_kernels: K=%d N=%d %s: fxc::linear %.2fx vs %s (%s%s) -> %s", site.k, site.n,
-                             d["dtype"], d["speedup"], site.baseline,
-                             ", ".join(f"M={m} {d['fxc_us'][m]}/{d['aten_us'][m]} us" for m in d["fxc_us"]),
-                             ", cached" if d["cached"] else "",
-                             ("by M: " + ", ".join(f"{lo}-{'' if hi is None else hi} {k}" for lo, hi, k in d["plan"]))
-                             if d["ranged"] else ("fxc::linear" if d["use_fxc"] else "ATen"))
+            if key in decisions:
+                continue
+            if self.force:
+                decisions[key] = {"k": site.k, "n": site.n, "dtype": str(site.dtype).removeprefix("torch."),
+                                  "baseline": site.baseline, "use_fxc": True, "ranged": False, "forced": True}
+            else:
+                decisions[key] = self._decide(tuner, site)
+        if not self.force:
+            self._dual_budget(decisions, sites, ctx)
+            for (k, n, _dt, baseline), d in decisions.items():
+                log.info("lower_cpu_kernels: K=%d N=%d %s: fxc::linear %.2fx vs %s (%s%s) -> %s", k, n,
+                         d["dtype"], d["speedup"], baseline,
+                         ", ".join(f"M={m} {d['fxc_us'][m]}/{d['aten_us'][m]} us" for m in d["fxc_us"]),
+                         ", cached" if d["cached"] else "",
+                         ("by M: " + ", ".join(f"{lo}-{'' if hi is None else hi} {c}" for lo, hi, c in d["plan"]))
+                         if d["ranged"] else ("fxc::linear" if d["use_fxc"] else "ATen"))
+        for site in sites:
+            key = (site.k, site.n, site.dtype, site.baseline)
             if not decisions[key]["use_fxc"]:
                 continue
             spec = ctx.placeholder_spec(site.w)

@@ -90,7 +90,7 @@ def _mixed(k, n, dt, m):
 def test_pass_lowers_mixed_shapes_to_linear_by_m_and_keeps_both_layouts():
     program = testing.capture_tiny_model(CFG, dtype=torch.float32)
     tuner = FakeTuner(_mixed)
-    gm, ctx, (*_, r) = _run(program, *_before(), get_pass("lower_cpu_kernels", tuner=tuner))
+    gm, ctx, (*_, r) = _run(program, *_before(), get_pass("lower_cpu_kernels", tuner=tuner, max_dual_fraction=1.0))
     assert {c[4] for c in tuner.calls} == {(1, 16, 64, 256)}
     assert all(d["ranged"] and d["plan"] == [(0, 32, "fxc"), (33, None, "aten")] and d["fxc_m"] == [0, 32]
                for d in r.info["decisions"])
@@ -114,7 +114,8 @@ def test_pass_lowers_mixed_shapes_to_linear_by_m_and_keeps_both_layouts():
 ])
 def test_pass_one_choice_per_m_stays_one_op(speedup, by_m, plain, kept):
     program = testing.capture_tiny_model(CFG, dtype=torch.float32)
-    gm, _, (*_, r) = _run(program, *_before(), get_pass("lower_cpu_kernels", tuner=FakeTuner(speedup)))
+    gm, _, (*_, r) = _run(program, *_before(),
+                          get_pass("lower_cpu_kernels", tuner=FakeTuner(speedup), max_dual_fraction=1.0))
     counts = [sum(n.target is t for n in gm.graph.nodes) for t in (BY_M, FXC_LINEAR)]
     assert counts == [by_m, plain] and r.info["kept"] == kept and r.info["ranged"] == by_m
     assert (r.info["dual_layout_bytes"] > 0) is (by_m > 0)
@@ -130,10 +131,38 @@ def test_per_m_range_off_is_one_choice_for_every_m():
     assert all(not d["ranged"] and d["use_fxc"] for d in r.info["decisions"]) and r.info["dual_layout_bytes"] == 0
 
 
+def test_second_layouts_stay_within_the_budget_largest_gain_first():
+    """Every shape mixed, the gate/up shape (K 32 -> N 96) with the largest gain: a budget that holds only
+    its weights ranges it alone; the others keep their uniform choice; a zero budget ranges nothing."""
+    program = testing.capture_tiny_model(CFG, dtype=torch.float32)
+
+    def speedup(k, n, dt, m):
+        big = (k, n) == (32, 96)
+        return (3.0 if big else 1.6) if m <= 16 else (0.3 if big else 0.6)
+
+    gm, ctx, (*_, r) = _run(program, *_before())
+    weights = {n.args[1] for n in gm.graph.nodes
+               if n.target is torch.ops.aten.matmul.default and ctx.param_of(n.args[1]) is not None}
+    total = sum(ctx.param_of(w).numel() * 4 for w in weights)
+    gate_up = 2 * 32 * 96 * 4
+    for fraction, ranged_shapes in ((gate_up / total + 1e-9, {(32, 96)}), (0.0, set())):
+        program = testing.capture_tiny_model(CFG, dtype=torch.float32)
+        gm, _, (*_, r) = _run(program, *_before(), get_pass("lower_cpu_kernels", tuner=FakeTuner(speedup),
+                                                            max_dual_fraction=fraction))
+        by_shape = {(d["k"], d["n"]): d for d in r.info["decisions"]}
+        assert {s for s, d in by_shape.items() if d["ranged"]} == ranged_shapes
+        assert r.info["dual_layout_bytes"] == (gate_up if ranged_shapes else 0) <= fraction * total
+        for s, d in by_shape.items():
+            if s not in ranged_shapes:  # uniform: 0.5 ln 1.6 + (1/6)(ln 1.6 + 2 ln 0.6) > 0 -> fxc everywhere
+                assert d["use_fxc"] and d["dual_budget"] == "exceeded" and d["plan"] == [(0, None, "fxc")]
+        assert sum(n.target is BY_M for n in gm.graph.nodes) == (CFG.layers if ranged_shapes else 0)
+
+
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 2e-2)])
 def test_ranged_lowering_preserves_semantics_on_both_sides_of_the_split(dtype, tol):
     program = testing.capture_tiny_model(CFG, dtype=dtype)
-    p = get_pass("lower_cpu_kernels", tuner=FakeTuner(lambda k, n, dt, m: 1.6 if m == 1 else 0.6))  # fxc M <= 4
+    p = get_pass("lower_cpu_kernels", tuner=FakeTuner(lambda k, n, dt, m: 1.6 if m == 1 else 0.6),  # fxc M <= 4
+                 max_dual_fraction=1.0)
     for bucket in (testing.TestBucket(1, 3, 4, 4), testing.TestBucket(2, 5, 3, 4)):  # M = 3 (fxc), 10 (ATen)
         info = testing.assert_pass_preserves_semantics(p, program, testing.example_inputs(program, bucket),
                                                        rtol=tol, atol=tol, passes_before=_before())
