@@ -3,6 +3,8 @@
     python benchmarks/kernels.py            # SmolLM2 shapes, M = 1, 16, 64, fp32/bf16/int8
     python benchmarks/kernels.py --quick    # fewer shapes / shorter timing
     python benchmarks/kernels.py --pool-mb 0   # "hot": one weight, may sit in L2/L3
+    python benchmarks/kernels.py --dtypes bf16 --m 64,256,512 --rounds 9 --pool-mb 64 \
+        --candidates "x bf16,torch.mm,oneDNN"       # bf16 compute-bound: interleaved rounds
 
 GB/s counts the weight bytes only (N*K*elem_size; int8 = 1 byte, scales excluded),
 GFLOP/s = 2*M*N*K / time.  By default each candidate cycles through enough copies of
@@ -13,7 +15,8 @@ fastest call.  On a shared VM use --wait-quiet (waits for idle CPUs before each 
 
 Candidates:
   fp32: fxc.linear, torch.mm(x, W^T pre-transposed), F.linear(x, W), mkl packed (inductor freezing, fp32)
-  bf16: fxc.linear (fp32 x), fxc.linear (bf16 x), torch.mm(x, W^T), F.linear(x, W), oneDNN packed
+  bf16: fxc.linear (fp32 x), fxc.linear (bf16 x), and where the VDPBF16PS kernel is in use the FMA path it
+        replaced (bf16 x, switched off in-process), torch.mm(x, W^T), F.linear(x, W), oneDNN packed
         (mkldnn._linear_pointwise); the torch candidates take bf16 x
   int8: fxc.linear_w8 (per channel, and group 64), aten._weight_int8pack_mm (per channel)
 """
@@ -31,6 +34,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import backends.cpu as fxc  # noqa: E402
+from backends.cpu import _build  # noqa: E402
 
 SHAPES = [(576, 1536), (1536, 576), (576, 576), (576, 192), (576, 49152)]  # (K, N), SmolLM2-135M
 QUICK_SHAPES = [(576, 1536), (1536, 576), (576, 49152)]
@@ -96,6 +100,15 @@ def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
         if dt == torch.bfloat16:  # same kernel fed bf16 activations (bf16 output), as the torch candidates
             yield "fxc.linear (x bf16)", lambda x: (lambda wp, xb=x.bfloat16(): torch.ops.fxc.linear(xb, wp, None, n),
                                                     [(p,) for p in wps])
+            if _build.state().get("bf16dot"):  # the FMA path the VDPBF16PS kernel replaced, same process
+                def fma_path(wp, xb):
+                    _build.set_bf16dot(False)
+                    try:
+                        return torch.ops.fxc.linear(xb, wp, None, n)
+                    finally:
+                        _build.set_bf16dot(True)
+                yield "fxc.linear (x bf16, FMA)", lambda x: (lambda wp, xb=x.bfloat16(): fma_path(wp, xb),
+                                                             [(p,) for p in wps])
         del wps
         wts = [wd.t().contiguous() for _ in range(c)]
         yield "torch.mm(W^T)", lambda x: (lambda wt: torch.mm(x, wt), [(t,) for t in wts])
@@ -143,6 +156,11 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--wait-quiet", action="store_true",
                     help="before each measurement wait until the CPUs are idle (shared machines)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="interleaved rounds: every candidate of a (shape, M) is timed once per round, and the "
+                         "median over rounds is shown (a shared machine disturbs all candidates alike)")
+    ap.add_argument("--candidates", default=None,
+                    help="comma separated substrings: only candidates whose name contains one of them")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
@@ -162,15 +180,31 @@ def main(argv=None) -> int:
         es = {"fp32": 4, "bf16": 2, "int8": 1}[dtype_name]
         for k, n in shapes:
             rows = {m: [] for m in m_list}
+            wanted = args.candidates.split(",") if args.candidates else None
+            made = {m: [] for m in m_list}  # --rounds > 1: (name, fn, argsets) timed in interleaved rounds
             for name, make in candidates(dtype_name, k, n, m_list, pool_mb):
+                if wanted and not any(w in name for w in wanted):
+                    continue
                 for m in m_list:
                     xdt = torch.bfloat16 if (dtype_name == "bf16" and not name.startswith("fxc")) else torch.float32
                     if name.startswith("aten._weight_int8pack_mm"):
                         xdt = torch.bfloat16  # its fp32-activation kernel is far slower on CPU
                     x = torch.randn(m, k).to(xdt)
                     fn, argsets = make(x)
-                    rows[m].append((name,) + timeit(fn, argsets, min_time, args.wait_quiet))
+                    if args.rounds > 1:
+                        made[m].append((name, fn, argsets))
+                    else:
+                        rows[m].append((name,) + timeit(fn, argsets, min_time, args.wait_quiet))
                     del fn, argsets
+            for m in m_list if args.rounds > 1 else ():
+                per = {name: [] for name, _, _ in made[m]}
+                for _ in range(args.rounds):
+                    for name, fn, argsets in made[m]:
+                        per[name].append(timeit(fn, argsets, min_time / args.rounds, args.wait_quiet))
+                for name, ts in per.items():
+                    med = sorted(t for t, _ in ts)[len(ts) // 2]
+                    rows[m].append((name, med, min(b for _, b in ts)))
+                made[m].clear()
             for m in m_list:
                 best_torch = min((t for nm, t, _ in rows[m] if not nm.startswith("fxc")), default=float("nan"))
                 for name, t, tb in rows[m]:

@@ -98,7 +98,8 @@ def backend_fingerprint(device: torch.device) -> dict[str, Any]:
         return {"device": str(device)}
     from backends.cpu import _build
 
-    return {"device": "cpu", "isa": _build.detect_isa(), "cpu": _cpu_model()}
+    paths = {k: os.environ[k] for k in ("FXCOMPILER_CPU_AMX", "FXCOMPILER_CPU_BF16DOT") if k in os.environ}
+    return {"device": "cpu", "isa": _build.detect_isa(), "cpu": _cpu_model(), **({"paths": paths} if paths else {})}
 
 
 def _cpu_model() -> str:
@@ -155,6 +156,10 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
     from .models.loader import instantiate_model
 
     t0 = time.perf_counter()
+    if device.type == "cpu":
+        from backends.cpu import prebuild
+
+        prebuild.start()  # the C++ extensions build in the background, in parallel, while the model is exported
     enabled = os.environ.get("FXCOMPILER_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")
     key = request.cache_key(device) if enabled and cache_dir is not None and instruments is None else None
     cache = CompileCache(cache_dir) if key is not None else None

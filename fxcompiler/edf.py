@@ -91,7 +91,7 @@ class EdfPackage:
 # residual add, rope with the q/k split) and an extern call of what was then a Python-registered
 # kernel cost ~2 us more than a fused loop (the CPU kernels are registered from C++ since; not
 # re-measured). CUDA has no fxc kernels: everything is ATen there.
-EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "paged_attention")}
+EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_by_m", "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).
 # ``cpp.threads=1``: Inductor's own loops (the elementwise/reduction code around the extern
@@ -129,6 +129,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         ops.rope.default: fused.rope_reference,
         ops.linear.default: lin.linear_reference,
         ops.linear_w8.default: lin.linear_w8_reference,
+        ops.linear_by_m.default: lin.linear_by_m_dense,
     }
 
 

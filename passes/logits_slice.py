@@ -29,7 +29,8 @@ _ROWWISE_LAST_DIM = {
     "fxc.rms_norm.default", "aten.layer_norm.default", "aten._to_copy.default", "aten.to.dtype",
     "aten.tanh.default", "aten.neg.default",
 }
-_PROJECTIONS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "fxc.linear.default"}
+_PROJECTIONS = {"aten.linear.default", "aten.matmul.default", "aten.mm.default", "fxc.linear.default",
+                "fxc.linear_by_m.default"}
 _ELEMENTWISE_BINARY = {"aten.add.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.sub.Tensor"}
 
 

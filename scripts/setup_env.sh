@@ -18,3 +18,6 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 .venv/bin/python -c "import torch, transformers; assert torch.__version__.startswith('2.13.0'), torch.__version__"
+# The three C++ extensions (linear kernels, attention, native executor), built in parallel once into the
+# kernel cache, so the first LLM(...) only loads them (skipped quietly where no compiler exists).
+.venv/bin/python -m backends.cpu.prebuild || true

@@ -144,7 +144,7 @@ def test_edf_extern_ops_policy_and_package_key():
     from fxcompiler import edf
     from fxcompiler.ops.linear import pack_linear_weight
 
-    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "paged_attention")
+    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_by_m", "paged_attention")
     assert edf.extern_ops("cuda") == ()
 
     class M(torch.nn.Module):
@@ -164,6 +164,22 @@ def test_edf_extern_ops_policy_and_package_key():
             edf.package_key(gm, "cpu", extern=("linear",))}
     assert len(keys) == 4
     assert edf.package_key(gm, "cpu") == edf.package_key(gm, "cpu", extern=edf.extern_ops("cpu"))
+
+    # fxc::linear_by_m (lower_cpu_kernels' per-M-range choice): kept, or rewritten to the ATen op on its
+    # dense weight (the same function for every M)
+    class ByM(torch.nn.Module):
+        def forward(self, x, wp, wd, b):
+            return (torch.ops.fxc.linear_by_m.default(x, wp, wd, True, b, 8, [0, 1]),)
+
+    gm = torch.fx.symbolic_trace(ByM())
+    wd = torch.randn(8, 8)
+    args = (torch.randn(3, 8), pack_linear_weight(wd.t().contiguous()), wd, torch.randn(8))
+    for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), args):
+        n.meta["val"] = v
+    assert _fxc_calls(edf.aten_graph_module(gm, edf.extern_ops("cpu"))) == ["linear_by_m"]
+    aten_only = edf.aten_graph_module(gm)
+    assert _fxc_calls(aten_only) == []
+    torch.testing.assert_close(aten_only(*args)[0], args[0] @ wd + args[3])
 
 
 def test_package_key_ignores_symbol_names():

@@ -52,8 +52,10 @@ def test_fp32_lowered_greedy_matches_transformers():
     path = model_directory(resolve_model_source(DEFAULT_MODEL_ID), llm.cache_dir)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     # packed weights replace the [K, N] copies, nothing doubles: the model's parameters plus the
-    # buffers (rotary inv_freq) and the second layout of the tied lm_head (the embedding keeps its [V, K] table)
-    budget = sum(t.numel() * 4 for t in [*hf.parameters(), *hf.buffers()]) + hf.lm_head.weight.numel() * 4
+    # buffers (rotary inv_freq) and the second layout of the tied lm_head (the embedding keeps its [V, K] table),
+    # plus the second layouts the tuned run keeps on purpose (fxc::linear_by_m, capped by its budget)
+    dual = sum(h.get("dual_layout_bytes", 0) for h in llm._build.context.history if h["pass"] == "lower_cpu_kernels")
+    budget = sum(t.numel() * 4 for t in [*hf.parameters(), *hf.buffers()]) + hf.lm_head.weight.numel() * 4 + dual
     assert _param_bytes(llm) <= budget
     for prompt, out in zip(PROMPTS, ours):
         _check_against_hf(hf, llm.tokenizer(prompt)["input_ids"], out)

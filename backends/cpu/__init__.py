@@ -62,14 +62,17 @@ def kernels_available() -> bool:
 
 
 def isa() -> str:
-    """The ISA the fxc ops run with: 'avx512+amx', 'avx512', 'avx2' or 'aten' (fallback). Builds on first call.
+    """The ISA the fxc ops run with: 'avx512+amx', 'avx512+bf16dot', 'avx512', 'avx2' or 'aten' (fallback).
+    Builds on first call.
 
     '+amx': bf16/int8 weights with M >= 8 rows use AMX tiles (set FXCOMPILER_CPU_AMX=0 to disable).
+    '+bf16dot': no AMX, but bf16 weights with bf16 x and M >= 5 rows use AVX-512-BF16 dot products
+    (set FXCOMPILER_CPU_BF16DOT=0 to disable).
     """
     if not _build.ensure_loaded():
         return "aten"
     st = _build.state()
-    return st["isa"] + ("+amx" if st["amx"] else "")
+    return st["isa"] + _build.isa_suffix(st)
 
 
 def linear(x: torch.Tensor, w_packed: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:

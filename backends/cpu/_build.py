@@ -8,7 +8,8 @@ source or a different machine never reuses a stale binary. The sources are built
 a copy inside that folder, so two checkouts of the same code share one build.
 
 ISA selection: ``FXCOMPILER_CPU_ISA`` (``avx512`` | ``avx2`` | ``aten``) forces
-one; otherwise ``torch.backends.cpu.get_cpu_capability()`` decides (it already
+one (``FXCOMPILER_CPU_AMX=0`` and ``FXCOMPILER_CPU_BF16DOT=0`` switch off the AMX and the
+AVX-512-BF16 paths of an avx512 build, so every path can be run on a machine that has a higher one); otherwise ``torch.backends.cpu.get_cpu_capability()`` decides (it already
 honours ``ATEN_CPU_CAPABILITY``).  ``aten`` (or a CPU without AVX2, or a failed
 build) means no C++ kernels: the ops then run their ATen fallback, and a single
 ``warnings.warn`` says why.
@@ -37,9 +38,13 @@ _FLAGS = {
 }
 _COMMON_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 _AMX_FLAGS = ["-mamx-tile", "-mamx-bf16", "-DFXC_AMX"]  # added to avx512 when the compiler knows them
+# The VDPBF16PS kernel is compiled in (its functions only, via a target attribute: the library still loads
+# on AVX-512 CPUs without BF16) when the compiler knows -mavx512bf16; used where CPUID says AVX512_BF16.
+_BF16DOT_PROBE = ["-mavx512bf16"]
+_BF16DOT_FLAGS = ["-DFXC_BF16DOT"]
 
 _lock = threading.RLock()
-_state: dict = {"tried": False, "isa": None, "amx": False, "error": None, "path": None}
+_state: dict = {"tried": False, "isa": None, "amx": False, "bf16dot": False, "error": None, "path": None}
 
 
 def detect_isa() -> str:
@@ -93,6 +98,8 @@ def compile_flags(isa: str) -> list[str]:
     flags = _COMMON_FLAGS + _FLAGS[isa]
     if isa == "avx512" and _compiler_accepts(_AMX_FLAGS[:2]):
         flags = flags + _AMX_FLAGS
+    if isa == "avx512" and _compiler_accepts(_BF16DOT_PROBE):
+        flags = flags + _BF16DOT_FLAGS
     # extra flags for experiments (e.g. -DFXC_TUNE); part of the cache key like the others
     return flags + os.environ.get("FXCOMPILER_KERNEL_CFLAGS", "").split()
 
@@ -206,6 +213,8 @@ def _build_and_load(isa: str) -> str:
     if compiled != isa:  # pragma: no cover - would be a build-system bug
         raise RuntimeError(f"library reports ISA {compiled!r}, expected {isa!r}")
     _state["amx"] = bool(lib.fxc_kernels_amx())
+    _state["bf16dot"] = bool(lib.fxc_kernels_bf16dot())
+    _state["lib"] = lib
     return str(lib_path)
 
 
@@ -241,6 +250,21 @@ def ensure_loaded() -> bool:
 
 def state() -> dict:
     return dict(_state)
+
+
+def isa_suffix(st: dict | None = None) -> str:
+    """'+amx' / '+bf16dot' (AVX-512-BF16 dot products without AMX) / '' for the loaded kernels."""
+    st = _state if st is None else st
+    return "+amx" if st.get("amx") else ("+bf16dot" if st.get("bf16dot") else "")
+
+
+def set_bf16dot(on: bool) -> bool:
+    """Switch the VDPBF16PS path on/off in this process (benchmarks, tests); returns whether it is now in use.
+    Off or unavailable: bf16 weights with bf16 activations take the FMA path (AMX, where in use, is unaffected)."""
+    if not ensure_loaded():
+        return False
+    _state["bf16dot"] = bool(_state["lib"].fxc_set_bf16dot(int(bool(on))))
+    return _state["bf16dot"]
 
 
 def load_once(state: dict, lock, load, unavailable: str) -> object | None:

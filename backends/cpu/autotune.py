@@ -58,11 +58,11 @@ class LinearAutotuner:
 
     # -- LinearKernelTuner -------------------------------------------------------------------------
     def isa(self) -> str:
-        """'avx512+amx' | 'avx512' | 'avx2', or 'aten' when the kernels cannot run here (builds on first call)."""
+        """'avx512+amx' | 'avx512+bf16dot' | 'avx512' | 'avx2', or 'aten' when the kernels cannot run here (builds on first call)."""
         if not _build.ensure_loaded():
             return "aten"
         st = _build.state()
-        return st["isa"] + ("+amx" if st["amx"] else "")
+        return st["isa"] + _build.isa_suffix(st)
 
     def measure(self, k: int, n: int, weight_dtype: torch.dtype, baseline: str = "matmul",
                 ms: Sequence[int] = (1, 64)) -> LinearTimings:
@@ -101,7 +101,7 @@ class LinearAutotuner:
     def cache_file(self) -> Path:
         st = _build.state()
         name = Path(st["path"]).stem if st.get("path") else f"unbuilt_{_build.detect_isa()}"
-        return _build.cache_root() / "autotune" / f"linear-{name}{'-amx' if st.get('amx') else ''}.json"
+        return _build.cache_root() / "autotune" / f"linear-{name}{_build.isa_suffix(st).replace('+', '-')}.json"
 
     def _load(self) -> dict[str, dict]:
         if self._entries is None:

@@ -16,6 +16,11 @@ IR level (this module, importable by passes and backends alike):
 ``fxc::linear_w8(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size) -> Tensor``
     int8 weight-only, per-channel (``group_size`` -1 or K) or per-group scales, from
     :func:`quantize_linear_weight_int8`.
+``fxc::linear_by_m(Tensor x, Tensor w_packed, Tensor w_dense, bool w_kn, Tensor? bias, int n, int[] fxc_m) -> Tensor``
+    the per-M-range choice of ``passes/lower_cpu_kernels``: with ``M = x.numel() / K`` rows inside one of the
+    inclusive ranges ``fxc_m = [lo0, hi0, lo1, hi1, ...]`` (``hi = -1``: unbounded) it is ``fxc::linear(x,
+    w_packed, bias, n)``; otherwise the ATen op it replaced on the unpacked weight ``w_dense`` (``[K, N]``
+    with ``w_kn``: ``x @ w_dense (+ bias)``; else ``[N, K]``: ``F.linear``). A node holds both layouts.
 
 Layouts (``NB = 32`` output columns per panel, ``P = ceil(N / 32)``, tail zero padded; each panel
 is contiguous, so a kernel thread streams its panels once):
@@ -46,7 +51,7 @@ import torch.nn.functional as F
 __all__ = [
     "NB", "LinearKernelTuner", "LinearTimings", "dequantize_linear_weight_int8", "linear", "linear_reference",
     "linear_w8", "linear_w8_reference", "pack_linear_weight", "quantize_linear_weight_int8",
-    "set_cpu_kernel_loader", "unpack_linear_weight",
+    "set_cpu_kernel_loader", "unpack_linear_weight", "linear_by_m", "linear_by_m_reference", "m_in_ranges",
 ]
 
 NB = 32  # output columns per panel
@@ -55,6 +60,8 @@ NB = 32  # output columns per panel
 _lib = torch.library.Library("fxc", "FRAGMENT")
 _lib.define("linear(Tensor x, Tensor w_packed, Tensor? bias, int n) -> Tensor")
 _lib.define("linear_w8(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size) -> Tensor")
+_lib.define("linear_by_m(Tensor x, Tensor w_packed, Tensor w_dense, bool w_kn, Tensor? bias, int n, int[] fxc_m) "
+            "-> Tensor")
 
 
 # ---------------------------------------------------------------------------
@@ -189,6 +196,16 @@ def _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size):
     return x.new_empty(_out_shape(x, n))
 
 
+@torch.library.register_fake("fxc::linear_by_m", lib=_lib)
+def _linear_by_m_fake(x, w_packed, w_dense, w_kn, bias, n, fxc_m):
+    _check_linear(x, w_packed, n)
+    k = x.shape[-1]
+    torch._check(w_dense.dim() == 2 and tuple(w_dense.shape) == ((k, n) if w_kn else (n, k)),
+                 lambda: f"fxc::linear_by_m: dense weight {tuple(w_dense.shape)} does not match K={k}, n={n}")
+    torch._check(len(fxc_m) % 2 == 0, lambda: "fxc::linear_by_m: fxc_m holds [lo, hi] pairs")
+    return x.new_empty(_out_shape(x, n))
+
+
 # ---------------------------------------------------------------------------
 # ATen references (every device)
 # ---------------------------------------------------------------------------
@@ -204,6 +221,28 @@ def linear_w8_reference(x, w_int8_packed, scales, bias, n, group_size):
     w = dequantize_linear_weight_int8(w_int8_packed, scales, n, group_size).to(x.device)
     b = None if bias is None else bias.float()
     return F.linear(x.float(), w, b).to(x.dtype)
+
+
+def m_in_ranges(m: int, fxc_m: Sequence[int]) -> bool:
+    """Whether ``m`` rows fall in one of the inclusive ``[lo, hi]`` pairs of ``fxc_m`` (``hi = -1``: unbounded)."""
+    return any(m >= lo and (hi < 0 or m <= hi) for lo, hi in zip(fxc_m[0::2], fxc_m[1::2]))
+
+
+def linear_by_m_dense(x, w_packed, w_dense, w_kn, bias, n, fxc_m):
+    """The ATen op ``fxc::linear_by_m`` chooses outside its fxc ranges, for every M (ATen only: what
+    a kind that rewrites fxc ops to ATen, e.g. ``edf`` off the CPU, traces)."""
+    if not w_kn:
+        return F.linear(x, w_dense, bias)
+    y = torch.matmul(x, w_dense)
+    return y if bias is None else y + bias
+
+
+def linear_by_m_reference(x, w_packed, w_dense, w_kn, bias, n, fxc_m):
+    """``fxc::linear_by_m`` without its CPU kernel: the same choice, ``fxc::linear`` or the ATen op."""
+    k = x.shape[-1]
+    if m_in_ranges(x.numel() // k if k else 0, fxc_m):
+        return torch.ops.fxc.linear.default(x, w_packed, bias, n)
+    return linear_by_m_dense(x, w_packed, w_dense, w_kn, bias, n, fxc_m)
 
 
 _cpu_kernel_loader: Callable[[], bool] | None = None
@@ -237,7 +276,12 @@ def _composite(op, reference):
 _lib.impl("linear", _composite(torch.ops.fxc.linear.default, linear_reference), "CompositeExplicitAutograd")
 _lib.impl("linear_w8", _composite(torch.ops.fxc.linear_w8.default, linear_w8_reference), "CompositeExplicitAutograd")
 
+# No loader step: the reference calls fxc::linear, whose first CPU call loads the library (which registers
+# the C++ kernel of this op too).
+_lib.impl("linear_by_m", linear_by_m_reference, "CompositeExplicitAutograd")
+
 linear = torch.ops.fxc.linear.default
+linear_by_m = torch.ops.fxc.linear_by_m.default
 linear_w8 = torch.ops.fxc.linear_w8.default
 
 

@@ -189,7 +189,7 @@ def test_tuner_decides_per_shape_and_records_it():
         _, _, (*_, r) = _run(program, *_before(), get_pass("lower_cpu_kernels", tuner=tuner))
     shapes = {(d["k"], d["n"]): d for d in r.info["decisions"]}
     assert len(tuner.calls) == len(shapes)  # one measurement per distinct shape
-    assert {c[4] for c in tuner.calls} == {(1, 64)} and {c[3] for c in tuner.calls} == {"matmul"}
+    assert {c[4] for c in tuner.calls} == {(1, 16, 64, 256)} and {c[3] for c in tuner.calls} == {"matmul"}
     assert len(shapes) == 5  # qkv, o, gate/up, down, lm_head
     assert shapes[(32, 97)]["use_fxc"] is False and shapes[(32, 97)]["speedup"] == 0.5
     assert all(d["use_fxc"] for s, d in shapes.items() if s != (32, 97))
@@ -200,10 +200,14 @@ def test_tuner_decides_per_shape_and_records_it():
     (1.5, 0.8, None, True), (0.9, 1.3, None, True), (0.93, 1.15, None, True), (0.8, 1.1, None, False),
     (1.02, 1.0, None, True), (0.9, 1.3, 0.75, False), (1.5, 0.8, 0.25, False)])
 def test_decision_weighs_batch1_and_batched_speedups(m1, m64, decode_weight, lowered):
-    """Geometric mean of the speedups at M = 1 and M = 64, equal weights unless decode_weight says otherwise."""
+    """The uniform choice (one for every M, ``per_m_range=False``): geometric mean of the speedups at M = 1 and
+    at the batched Ms (16, 64, 256, all ``m64`` here), equal weights unless decode_weight says otherwise. The
+    per-M-range plan built on it: tests/passes/test_lower_cpu_kernels_ranges.py."""
     program = testing.capture_tiny_model(CFG, dtype=torch.float32)
     tuner = FakeTuner(lambda k, n, dt, m: m1 if m == 1 else m64)
-    options = {"tuner": tuner} if decode_weight is None else {"tuner": tuner, "decode_weight": decode_weight}
+    options = {"tuner": tuner, "per_m_range": False}
+    if decode_weight is not None:
+        options["decode_weight"] = decode_weight
     _, _, (*_, r) = _run(program, *_before(), get_pass("lower_cpu_kernels", **options))
     assert (r.info["lowered"] > 0) is lowered
 

@@ -24,11 +24,17 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
+#include <ATen/ops/matmul.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
+#if defined(FXC_BF16DOT)
+#include <cpuid.h>
+#endif
 #if defined(FXC_AMX)
 #include <cpuid.h>
 #include <sys/syscall.h>
@@ -871,6 +877,177 @@ void run_amx(const Problem&, bool) {}
 #endif
 
 // --------------------------------------------------------------------------
+// AVX-512-BF16 (VDPBF16PS) for bf16 weights and bf16 activations, M > kMultiMaxM rows,
+// on CPUs without AMX (or with it switched off): AMD Zen 4/5, Intel Cooper Lake, and
+// Sapphire Rapids and later under FXCOMPILER_CPU_AMX=0.
+//
+// The packed bf16 panel [ceil(K/2)][32][2] already is the layout VDPBF16PS wants for one
+// operand: 32-bit lane j of pair q holds (W[j, 2q], W[j, 2q+1]), so a pair step of a panel
+// is two zmm loads, and one 32-bit broadcast of (x[m, 2q], x[m, 2q+1]) per row gives the
+// other operand.  No weight conversion at all (the FMA path widens every weight to fp32).
+// Register block: up to 12 rows x 32 columns = 24 zmm accumulators, 2 weight registers,
+// the row broadcasts from memory (vpbroadcastd m32, a load-port op).  The two threads
+// split the panels (N) first, as the FMA path, so each weight byte is read from memory
+// once per call; a thread walks its panels one after the other and runs every row block
+// of a panel while it sits in L1/L2 (a panel is K * 64 bytes: 36 KB at K = 576, 96 KB at
+// K = 1536; the activations [M, K] bf16 stay in L2 for M * K * 2 <= ~1 MB).
+//
+// Accuracy: bf16 x bf16 products are exact in fp32; VDPBF16PS adds them to the fp32
+// accumulator (two roundings per pair instead of one per FMA, denormal inputs/outputs
+// flushed to zero) -- the same sums as the AMX path, within the tests' fp32 bound.
+// fp32 activations keep the FMA path (their bf16 rounding would cost accuracy).
+//
+// Selected at run time: compiled in when the compiler accepts -mavx512bf16 (only these
+// functions are compiled for it, via the target attribute, so the library still loads on
+// AVX-512 CPUs without BF16), used when CPUID says AVX512_BF16 and FXCOMPILER_CPU_BF16DOT
+// is not 0 (fxc_set_bf16dot() switches it in-process for benchmarks and tests).
+// --------------------------------------------------------------------------
+#if defined(FXC_AVX512) && defined(FXC_BF16DOT)
+#define FXC_BF16_TARGET __attribute__((target("avx512bf16,avx512f,avx512bw,avx512vl")))
+
+bool bf16dot_cpu() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 1, &a, &b, &c, &d)) return false;
+    return ((a >> 5) & 1u) != 0;  // CPUID.(EAX=7,ECX=1):EAX[5] = AVX512_BF16
+  }();
+  return ok;
+}
+
+int g_bf16dot = -1;  // -1: not decided yet; 0/1 (fxc_set_bf16dot changes it)
+
+bool bf16dot_usable() {
+  if (g_bf16dot < 0) {
+    const char* env = std::getenv("FXCOMPILER_CPU_BF16DOT");
+    g_bf16dot = (bf16dot_cpu() && !(env && env[0] == '0')) ? 1 : 0;
+  }
+  return g_bf16dot == 1;
+}
+
+// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16), 16 at a time.
+FXC_INLINE __m256i dot_bf16_rne(__m512 v) {
+  const __m512i b = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// One output row segment (32 columns of panel p, row m) from two fp32 vectors: bias, bf16 rounding
+// or fp32 store, masked N tail.
+FXC_INLINE void dot_store_row(const Problem& pb, int64_t p, int64_t m, __m512 v0, __m512 v1) {
+  const int64_t c0 = p * NB;
+  const int nc = static_cast<int>(std::min<int64_t>(NB, pb.n - c0));
+  const __mmask16 k0 = nc >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1);
+  const __mmask16 k1 = nc >= 32 ? __mmask16(0xFFFF) : (nc > 16 ? static_cast<__mmask16>((1u << (nc - 16)) - 1) : __mmask16(0));
+  if (pb.bias) {
+    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, pb.bias + c0));
+    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, pb.bias + c0 + 16));
+  }
+  const int64_t o = m * pb.n + c0;
+  if (pb.out_f) {
+    _mm512_mask_storeu_ps(pb.out_f + o, k0, v0);
+    _mm512_mask_storeu_ps(pb.out_f + o + 16, k1, v1);
+  } else {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(pb.out_h + o);
+    _mm256_mask_storeu_epi16(dst, k0, dot_bf16_rne(v0));
+    _mm256_mask_storeu_epi16(dst + 16, k1, dot_bf16_rne(v1));
+  }
+}
+
+// Rows [m0, m0 + MR) x panel p: x pairs [M][Q] (row stride ldq pairs), the panel's Q pair steps.
+template <int MR>
+FXC_BF16_TARGET __attribute__((noinline)) void dot_panel(const Problem& pb, const uint32_t* __restrict xq, int64_t ldq,
+                                                         int64_t Q, int64_t p, int64_t m0) {
+  __m512 acc[MR][2];
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+  const uint16_t* w = static_cast<const uint16_t*>(pb.w) + p * (pb.Kp * NB);
+  const uint32_t* x = xq + m0 * ldq;
+  for (int64_t q = 0; q < Q; ++q) {
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + q * 2 * NB));
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + q * 2 * NB + NB));
+#pragma GCC unroll 16
+    for (int m = 0; m < MR; ++m) {
+      uint32_t xv;
+      std::memcpy(&xv, x + m * ldq + q, sizeof(xv));
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(xv));
+      acc[m][0] = _mm512_dpbf16_ps(acc[m][0], a, b0);
+      acc[m][1] = _mm512_dpbf16_ps(acc[m][1], a, b1);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MR; ++m) dot_store_row(pb, p, m0 + m, acc[m][0], acc[m][1]);
+}
+
+constexpr int kDotMR = 12;  // rows per register block (24 accumulators)
+int64_t g_dot_xbytes = 192 * 1024;  // activation bytes per row group (L2: 1-2 MB per core); FXC_TUNE: settable
+
+template <int MR>
+void dot_dispatch(int mr, const Problem& pb, const uint32_t* xq, int64_t ldq, int64_t Q, int64_t p, int64_t m0) {
+  if constexpr (MR >= 1) {
+    if (mr == MR) {
+      dot_panel<MR>(pb, xq, ldq, Q, p, m0);
+      return;
+    }
+    dot_dispatch<MR - 1>(mr, pb, xq, ldq, Q, p, m0);
+  }
+}
+
+constexpr int64_t kDotMinM = 5;  // fewer rows: the multi-stream GEMV (memory bound, converts in registers)
+
+bool bf16dot_eligible(int64_t M) { return M >= kDotMinM && bf16dot_usable(); }
+
+// bf16 weights, bf16 x (pb.xb, [M, K] contiguous).
+void run_bf16dot(const Problem& pb) {
+  static thread_local std::vector<uint16_t> s_pad;
+  const int64_t Q = pb.Kp / 2;
+  const uint32_t* xq;
+  int64_t ldq = Q;
+  if (pb.K % 2 == 0) {
+    xq = reinterpret_cast<const uint32_t*>(pb.xb);  // read with memcpy: any 2-byte alignment is fine
+  } else {  // odd K: rows padded with a zero k (the weight's padded k is zero too)
+    s_pad.resize(static_cast<size_t>(pb.M) * 2 * Q);
+    uint16_t* buf = s_pad.data();
+    for (int64_t m = 0; m < pb.M; ++m) {
+      std::memcpy(buf + m * 2 * Q, pb.xb + m * pb.K, sizeof(uint16_t) * pb.K);
+      buf[m * 2 * Q + pb.K] = 0;
+    }
+    xq = reinterpret_cast<const uint32_t*>(buf);
+  }
+  const int64_t mb = (pb.M + kDotMR - 1) / kDotMR;  // balanced row blocks of <= kDotMR rows
+  const int64_t mr_base = (pb.M + mb - 1) / mb;
+  // Row groups whose activations (~g_dot_xbytes) stay in L2 while the thread's panels pass by: each panel
+  // is read once per group (from L2/L3 after the first), the activations once per panel from L2.
+  // Activations that fit L2 beside a panel (<= 512 KB) are one group.
+  const int64_t group = pb.M * pb.Kp * 2 <= 512 * 1024
+                            ? mb
+                            : std::max<int64_t>(1, g_dot_xbytes / std::max<int64_t>(1, mr_base * pb.Kp * 2));
+  auto work = [&](int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
+    for (int64_t g0 = r0; g0 < r1; g0 += group) {
+      const int64_t g1 = std::min(r1, g0 + group);
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t rb = g0; rb < g1; ++rb) {
+          const int64_t m0 = rb * mr_base;
+          const int mr = static_cast<int>(std::min<int64_t>(mr_base, pb.M - m0));
+          dot_dispatch<kDotMR>(mr, pb, xq, ldq, Q, p, m0);
+        }
+    }
+  };
+  // Threads split the panels (each weight byte read by one thread) when that balances; else the row blocks.
+  const int64_t nt = at::get_num_threads();
+  if (pb.P % nt == 0 || pb.P >= 4 * nt || mb < nt)
+    at::parallel_for(0, pb.P, 1, [&](int64_t p0, int64_t p1) { work(p0, p1, 0, mb); });
+  else
+    at::parallel_for(0, mb, 1, [&](int64_t r0, int64_t r1) { work(0, pb.P, r0, r1); });
+}
+#else
+bool bf16dot_usable() { return false; }
+bool bf16dot_eligible(int64_t) { return false; }
+void run_bf16dot(const Problem&) {}
+#endif
+
+// --------------------------------------------------------------------------
 // Multi-stream kernel for small M (bandwidth bound).  One core reaches far more
 // DRAM bandwidth reading S separate sequential streams than one (measured on the
 // dev VM: ~10-12 GB/s with 1 stream vs ~17-18 GB/s with 4 per core), so each
@@ -1134,11 +1311,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   }
   Prepared pr;
   const bool amx = kind == Kind::BF16 && K > 0 && amx_eligible(x.numel() / K, 0);
-  prepare_common(pr, x, Kp, n, w.size(0), bias, "fxc::linear", amx);
+  // bf16 weights and bf16 x without AMX: VDPBF16PS (reads x in place, like the AMX path)
+  const bool dot = !amx && kind == Kind::BF16 && x.scalar_type() == at::kBFloat16 && K > 0 &&
+                   bf16dot_eligible(x.numel() / K);
+  prepare_common(pr, x, Kp, n, w.size(0), bias, "fxc::linear", amx || dot);
   if (pr.pb.M == 0) return pr.out;
   pr.pb.w = w.data_ptr();
   if (amx)
     run_amx(pr.pb, false);
+  else if (dot)
+    run_bf16dot(pr.pb);
   else
     run(pr.pb, kind);
   return pr.out;
@@ -1178,12 +1360,27 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return pr.out;
 }
 
+// fxc::linear_by_m: the per-M-range choice of passes/lower_cpu_kernels, made per call from M = numel / K
+// (fxc_m: inclusive [lo, hi] pairs, hi = -1 unbounded, where fxc::linear wins; elsewhere the ATen op it
+// replaced, on the dense weight: [K, N] with w_kn, x @ W (+ bias); else [N, K], F.linear).
+at::Tensor linear_by_m(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_dense, bool w_kn,
+                       const std::optional<at::Tensor>& bias, int64_t n, at::IntArrayRef fxc_m) {
+  const int64_t K = x.size(-1);
+  const int64_t M = K > 0 ? x.numel() / K : 0;
+  for (size_t i = 0; i + 1 < fxc_m.size(); i += 2)
+    if (M >= fxc_m[i] && (fxc_m[i + 1] < 0 || M <= fxc_m[i + 1])) return linear(x, w_packed, bias, n);
+  if (!w_kn) return at::linear(x, w_dense, bias);
+  at::Tensor y = at::matmul(x, w_dense);
+  return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
+}
+
 }  // namespace
 }  // namespace fxc
 
 TORCH_LIBRARY_IMPL(fxc, CPU, m) {
   m.impl("linear", &fxc::linear);
   m.impl("linear_w8", &fxc::linear_w8);
+  m.impl("linear_by_m", &fxc::linear_by_m);
 }
 
 // The ISA this library was compiled for, queried from Python via ctypes.
@@ -1195,6 +1392,9 @@ extern "C" void fxc_set_tune(long dist, int hint) {
   fxc::g_pf_dist = dist;
   fxc::g_pf_hint = hint;
 }
+#if defined(FXC_AVX512) && defined(FXC_BF16DOT)
+extern "C" void fxc_set_dot_tune(long xbytes) { fxc::g_dot_xbytes = xbytes; }
+#endif
 #ifdef FXC_AMX
 // AMX knobs: panel streams per thread, prefetch panels ahead (0 = off), hint, B bytes per K block, step order.
 extern "C" void fxc_set_amx_tune(long streams, long pf_ahead, long hint, long kbytes, long epi) {
@@ -1206,6 +1406,21 @@ extern "C" void fxc_set_amx_tune(long streams, long pf_ahead, long hint, long kb
 }
 #endif
 #endif
+
+// Whether the AVX-512-BF16 (VDPBF16PS) path is compiled in and in use (1) or not (0).
+extern "C" int fxc_kernels_bf16dot() { return fxc::bf16dot_usable() ? 1 : 0; }
+
+// Switch the VDPBF16PS path on (1, where the CPU has it) or off (0) in this process; returns the new state.
+// For benchmarks and tests that compare it with the FMA path in one process (FXCOMPILER_CPU_BF16DOT=0 sets
+// the initial state for a whole process).
+extern "C" int fxc_set_bf16dot(int on) {
+#if defined(FXC_AVX512) && defined(FXC_BF16DOT)
+  fxc::g_bf16dot = (on && fxc::bf16dot_cpu()) ? 1 : 0;
+#else
+  (void)on;
+#endif
+  return fxc_kernels_bf16dot();
+}
 
 extern "C" int fxc_kernels_amx() {
 #if defined(FXC_AMX)

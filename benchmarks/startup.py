@@ -1,0 +1,60 @@
+"""Start-up time of the main command's path: ``LLM(SmolLM2)`` then the first generated token, with
+fresh caches (``FXCOMPILER_CACHE_DIR`` an empty temporary directory: C++ extensions built, autotuning
+measured, program compiled) and warm (same cache, a second process). Each run is its own process.
+
+    .venv/bin/python benchmarks/startup.py [--runs cold,warm] [--env FXCOMPILER_PREBUILD=0]
+
+Prints seconds to ``LLM(...)`` returned and to the first token, per run.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CHILD = r"""
+import json, time
+t0 = time.perf_counter()
+from fxcompiler import LLM, SamplingParams
+llm = LLM("HuggingFaceTB/SmolLM2-135M-Instruct")
+t1 = time.perf_counter()
+llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=1))
+t2 = time.perf_counter()
+from backends.cpu import prebuild
+print("RESULT " + json.dumps({"llm_s": t1 - t0, "first_token_s": t2 - t0, "prebuild": prebuild.timings}))
+"""
+
+
+def run_once(cache_dir: str, env_extra: dict[str, str]) -> dict:
+    env = dict(os.environ, FXCOMPILER_CACHE_DIR=cache_dir, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **env_extra)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env=env, capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[7:])
+    raise RuntimeError(f"start-up run failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--runs", default="cold,warm")
+    ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the child processes")
+    args = ap.parse_args(argv)
+    env_extra = dict(e.split("=", 1) for e in args.env)
+    with tempfile.TemporaryDirectory(prefix="fxc-startup-") as cache:
+        for kind in args.runs.split(","):
+            res = run_once(cache, env_extra)
+            extra = ", ".join(f"{k} {v:.1f}s" for k, v in res["prebuild"].items())
+            print(f"{kind:5}  LLM() {res['llm_s']:6.1f} s  first token {res['first_token_s']:6.1f} s"
+                  + (f"  (extensions: {extra})" if extra else ""), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
