@@ -186,15 +186,24 @@ class LLM:
                 or quant_ckpt_file_path:
             raise _later("quantization (llm_config quantization, qformat_path/qparam_path/quant_ckpt_file_path)",
                          "quantization issue")
-        if speculative_model is not None or num_speculative_tokens is not None or any(
-                v not in (None, {}) for v in (speculative_model_llm_config, speculative_model_qformat_path,
-                                              speculative_model_qparam_path, speculative_model_quant_ckpt_file_path,
-                                              speculative_model_config or None, speculative_model_bucket_config,
-                                              speculative_draft_tensor_parallel_size,
-                                              speculative_draft_pipeline_parallel_size,
-                                              speculative_draft_data_parallel_size,
-                                              speculative_draft_num_blocks_per_pp_stage)):
-            raise _later("speculative decoding", "speculative-decoding issue")
+        from .speculative import parse_request
+
+        spec_request = parse_request(
+            speculative_model, num_speculative_tokens,
+            dict(devices=devices, tp=tensor_parallel_size, pp=pipeline_parallel_size, dp=data_parallel_size),
+            speculative_model_llm_config=speculative_model_llm_config,
+            speculative_model_qformat_path=speculative_model_qformat_path,
+            speculative_model_qparam_path=speculative_model_qparam_path,
+            speculative_model_quant_ckpt_file_path=speculative_model_quant_ckpt_file_path,
+            speculative_model_config=speculative_model_config or None,
+            speculative_model_bucket_config=speculative_model_bucket_config,
+            speculative_draft_tensor_parallel_size=speculative_draft_tensor_parallel_size,
+            speculative_draft_pipeline_parallel_size=speculative_draft_pipeline_parallel_size,
+            speculative_draft_data_parallel_size=speculative_draft_data_parallel_size,
+            speculative_draft_num_blocks_per_pp_stage=speculative_draft_num_blocks_per_pp_stage)
+        if spec_request is not None and kv_cache_sharing_across_beams_config is not None:
+            raise ValueError("speculative_model cannot be combined with kv_cache_sharing_across_beams_config: that "
+                             "engine serves beam search only, and beam search runs without speculation")
         if tensor_parallel_size != 1 or pipeline_parallel_size != 1 or data_parallel_size not in (None, 1) \
                 or num_blocks_per_pp_stage is not None or len(self.devices) > 1:
             raise _later("tensor/pipeline/data parallelism over several devices", "MPPP parallelism issue")
@@ -313,6 +322,11 @@ class LLM:
         if artifacts_export_path is not None:
             self._export_artifact(artifacts_export_path, param_saved_format)
         self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
+        self.speculative_llm, self.num_speculative_tokens = None, None
+        if spec_request is not None:
+            from .speculative import attach
+
+            attach(self, spec_request)
 
     def _export_artifact(self, path, param_saved_format: str = "safetensors"):
         from .artifacts import ArtifactContents, export_artifact
