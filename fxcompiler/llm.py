@@ -276,6 +276,10 @@ class LLM:
             warnings.warn(f"max_seq_len_to_capture={max_seq_len_to_capture} differs from the largest decode bucket "
                           f"({largest_decode}); using {largest_decode}")
         self.max_seq_len_to_capture = largest_decode
+        if spec_request is not None:
+            from .speculative import check_before_build
+
+            check_before_build(self, spec_request)
         largest_prefill = max((b.attention_size for b in prefill), default=0)
         if max_prompt_len is not None and max_prompt_len > largest_prefill:
             raise ValueError(f"max_prompt_len={max_prompt_len} is larger than the largest prefill bucket "

@@ -127,6 +127,52 @@ def check_compatible(target, draft) -> None:
                          f"shorter than the target's max_seq_len_to_capture ({target.max_seq_len_to_capture})")
 
 
+def check_before_build(target, req: SpeculativeRequest) -> None:
+    """Fail fast, before the target is compiled: an :class:`LLM` draft is checked whole, a draft
+    id/path by its config and tokenizer (vocabulary, tokenizer, context limit). ``target`` needs
+    ``model_config``, ``tokenizer`` and ``max_seq_len_to_capture``."""
+    from types import SimpleNamespace
+
+    from .llm import LLM
+    from .models.loader import load_model_info, load_tokenizer
+    from .models.sources import resolve_model_source
+
+    if req.is_ngram:
+        if req.num_speculative_tokens is None and _n_predict(target.model_config) is None:
+            raise ValueError("num_speculative_tokens is required with speculative_model='[ngram]' (the model "
+                             "config has no n_predict)")
+        return
+    if isinstance(req.model, LLM):
+        check_compatible(target, req.model)
+        return
+    hf = dict(req.llm_kwargs.get("speculative_model_config") or {})
+    info = load_model_info(resolve_model_source(str(req.model)), cache_dir=target.cache_dir, hf_overrides=hf)
+    cfg = info.config
+    limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    check_compatible(target, SimpleNamespace(model_config=cfg, tokenizer=load_tokenizer(info.model_dir),
+                                             max_seq_len_to_capture=limit or target.max_seq_len_to_capture))
+
+
+def _draft_runner(draft):
+    """A model runner over the draft's executables with a KV cache and block manager of its own
+    (an LLM draft that has an engine lends its compiled executables; nothing is compiled twice)."""
+    from runtime.block_manager import BlockManager, PagedKVCache
+    from runtime.model_runner import ModelRunner
+
+    if draft.engine is None:
+        from .build import start_engine
+
+        return start_engine(draft.geometry, draft._build, prefill_buckets=draft._prefill_buckets,
+                            decode_buckets=draft._decode_buckets, scheduler_config=draft.scheduler_config,
+                            kv=draft.kv_cache_plan, device=draft._device, tokenizer=None,
+                            eos_token_ids=frozenset(), max_context=draft.max_seq_len_to_capture).runner
+    g, kv = draft.geometry, draft.kv_cache_plan
+    cache = PagedKVCache(g.num_layers, kv.num_blocks, kv.block_size, g.num_kv_heads, g.head_dim, g.dtype,
+                         draft._device)
+    blocks = BlockManager(kv.num_blocks, kv.block_size, kv.max_seqs, kv.max_blocks_per_seq)
+    return ModelRunner(draft.engine.runner.executables, cache, blocks, draft._device)
+
+
 def attach(target, req: SpeculativeRequest) -> None:
     """Build the proposer and install the engine's speculator (``target.engine`` may be None)."""
     from runtime.proposers import DraftModelProposer, NgramProposer
@@ -146,15 +192,7 @@ def attach(target, req: SpeculativeRequest) -> None:
         if k is None:
             raise ValueError("num_speculative_tokens is required: neither the draft's nor the target's config "
                              "has n_predict")
-        proposer = None
-        if target.engine is not None:
-            from .build import start_engine
-
-            eng = start_engine(draft.geometry, draft._build, prefill_buckets=draft._prefill_buckets,
-                               decode_buckets=draft._decode_buckets, scheduler_config=draft.scheduler_config,
-                               kv=draft.kv_cache_plan, device=draft._device, tokenizer=None,
-                               eos_token_ids=frozenset(), max_context=draft.max_seq_len_to_capture)
-            proposer = DraftModelProposer(eng.runner)
+        proposer = DraftModelProposer(_draft_runner(draft)) if target.engine is not None else None
     target.speculative_llm = draft
     target.num_speculative_tokens = k
     if target.engine is not None:

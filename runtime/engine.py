@@ -197,6 +197,11 @@ class Engine:
                 return outs
         logits = self.runner.execute(batch)
         self._account(batch)
+        return self._advance(batch, logits)
+
+    def _advance(self, batch, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample (or advance the beam search of) every sequence of ``batch`` from its rows of
+        ``logits`` (``batch.logit_rows``); the outputs of the requests it touched."""
         blocks = self.scheduler.blocks
         rows: list[int] = []
         seqs: list[Sequence] = []

@@ -33,6 +33,7 @@ from fxcompiler.sampling_params import SAMPLING_EPS
 
 from .rejection_sampler import greedy_verify, rejection_sample
 from .sampler import SamplingRow, _is_plain_greedy, _ranks, _top_logprobs, apply_penalties_and_warpers
+from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
 __all__ = ["SpeculativeConfig", "SpeculativeDecoder"]
@@ -125,7 +126,7 @@ class SpeculativeDecoder:
             if prop.tokens and blocks.reserve_lookahead(s, s.num_tokens + len(prop.tokens)):
                 drafts[s] = prop
             else:
-                self.proposer.accepted(s, s.num_tokens - 1, 0)
+                self.proposer.accepted(s, s.num_tokens, 0)
         if not drafts:
             return None
         return self._verify(engine, batch, drafts)
@@ -139,13 +140,25 @@ class SpeculativeDecoder:
         engine._account(batch)
         st = engine.stats
         st.spec_verify_steps += 1
+        outs: list = []
+        plain = [i for i, s in enumerate(seqs) if s not in drafts]
+        if plain:  # one token each, advanced by the engine itself (beam search, forks, sampling)
+            sub = ScheduledBatch(batch.bucket, [seqs[i] for i in plain], prefill=False, num_new=[1] * len(plain),
+                                 logit_rows=[(j, 1) for j in range(len(plain))])
+            outs = engine._advance(sub, logits[torch.tensor([layout[i][0] for i in plain], device=logits.device)])
+        spec = [i for i, s in enumerate(seqs) if s in drafts]
+        idx: list[int] = []
+        for i in spec:
+            idx.extend(range(layout[i][0], layout[i][0] + layout[i][1]))
+        logits = logits[torch.tensor(idx, device=logits.device)]
         # one sampling row per computed position: the drafts before it count as output tokens
         rows: list[SamplingRow] = []
-        for s, t in zip(seqs, toks):
+        for i in spec:
+            s, t = seqs[i], toks[i]
             for j in range(len(t)):
                 rows.append(SamplingRow(s.params, s.prompt_token_ids, s.output_token_ids + t[1:1 + j],
                                         s.eos_token_ids, s.generator))
-        want_logprobs = any(s.params.logprobs is not None for s in seqs)
+        want_logprobs = any(seqs[i].params.logprobs is not None for i in spec)
         if all(_is_plain_greedy(r) for r in rows) and not want_logprobs:
             argmax, lps = greedy_logprob(logits)
             logp = None
@@ -154,40 +167,37 @@ class SpeculativeDecoder:
             logp = torch.log_softmax(x, dim=-1)
             argmax = x.argmax(dim=-1)
             lps = None
-        argmax_l = argmax.tolist()
         touched = {}
-        for i, s in enumerate(seqs):
-            first, count = layout[i]
-            d = toks[i][1:]
-            greedy = s.params.temperature < SAMPLING_EPS
-            if greedy:
-                n_acc, final = greedy_verify(argmax[first:first + count][None], torch.tensor([d], dtype=torch.long)
-                                             .reshape(1, len(d)), torch.tensor([len(d)]))
+        first = 0
+        for i in spec:
+            s, d = seqs[i], toks[i][1:]
+            count = len(d) + 1
+            drafted = torch.tensor([d], dtype=torch.long)
+            if s.params.temperature < SAMPLING_EPS:
+                n_acc, final = greedy_verify(argmax[first:first + count][None], drafted, torch.tensor([len(d)]))
             else:
                 probs = logp[first:first + count].exp()[None]
                 gen = s.generator
-                u = torch.rand(len(d) + 1, dtype=probs.dtype, generator=gen) if gen is not None else \
-                    torch.rand(len(d) + 1, dtype=probs.dtype)
-                prop = drafts.get(s)
-                q = prop.probs[None] if prop is not None and prop.probs is not None else None
-                n_acc, final = rejection_sample(probs, torch.tensor([d], dtype=torch.long).reshape(1, len(d)),
-                                                torch.tensor([len(d)]), q, u[None, :len(d)], u[len(d):])
+                u = torch.rand(count, dtype=probs.dtype, generator=gen) if gen is not None else \
+                    torch.rand(count, dtype=probs.dtype)
+                q = drafts[s].probs
+                n_acc, final = rejection_sample(probs, drafted, torch.tensor([len(d)]),
+                                                q[None] if q is not None else None, u[None, :len(d)], u[len(d):])
             n_acc, final = int(n_acc[0]), int(final[0])
-            emitted = d[:n_acc] + [final]
-            if d:
-                st.spec_proposed_tokens += len(d)
-                st.spec_accepted_tokens += n_acc
-                st.spec_verified_seqs += 1
-                self._learn(s, len(d), n_acc)
-            self._emit(engine, s, emitted, first, logits if logp is None else None, lps, logp, rows)
+            st.spec_proposed_tokens += len(d)
+            st.spec_accepted_tokens += n_acc
+            st.spec_verified_seqs += 1
+            self._learn(s, len(d), n_acc)
+            self._emit(engine, s, d[:n_acc] + [final], first, lps, logp, rows)
             touched[s.request_id] = engine.requests[s.request_id]
             if not s.is_finished:
                 s.num_cached = s.num_tokens - 1  # the cache keeps the accepted prefix
                 blocks.trim(s, s.num_tokens)
                 blocks.commit(s)
             self.proposer.accepted(s, n_before[i], n_acc)
+            first += count
         self.sweep()
-        return [o for rs in touched.values() if (o := engine._make_output(rs)) is not None]
+        return outs + [o for rs in touched.values() if (o := engine._make_output(rs)) is not None]
 
     @staticmethod
     def _forward(runner, bucket: Bucket, seqs: list[Sequence], toks: list[list[int]]):
@@ -222,7 +232,7 @@ class SpeculativeDecoder:
             return exe(*inputs), layout
 
     @staticmethod
-    def _emit(engine, s: Sequence, emitted: list[int], first: int, raw_logits, lps, logp, rows) -> None:
+    def _emit(engine, s: Sequence, emitted: list[int], first: int, lps, logp, rows) -> None:
         """Append the accepted run to ``s`` token by token (logprobs are the target's), stopping at
         the first token the engine's stop rules end the sequence on."""
         want = s.params.logprobs
