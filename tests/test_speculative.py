@@ -86,9 +86,13 @@ def test_greedy_identical_batch_1_and_8(spec_llms, reference, proposer):
     llm = spec_llms[proposer]
     st = llm.engine.stats
     before = (st.spec_proposed_tokens, st.spec_accepted_tokens)
+    plain_steps = st.decode_steps - st.spec_verify_steps
     one = llm.generate(None, GREEDY, prompt_token_ids=[PROMPTS[0]])[0].outputs[0].token_ids
     assert one == reference[0]
     all_free(llm)
+    if proposer == "other":  # low acceptance: k shrinks, and speculation pauses for some steps
+        assert st.spec_proposed_tokens - before[0] < K * st.spec_verified_seqs
+        assert st.decode_steps - st.spec_verify_steps > plain_steps
     outs = run_checked(llm, PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == reference
     proposed, accepted = st.spec_proposed_tokens - before[0], st.spec_accepted_tokens - before[1]

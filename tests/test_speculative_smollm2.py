@@ -1,6 +1,7 @@
 """Speculative decoding on the embedded SmolLM2-135M-Instruct (fp32, real weights): greedy output
 equals plain decoding (a divergence is allowed only at a near-tie of the plain run's top-2
-logprobs) for the n-gram proposer and for the model drafting for itself, at batch 1 and batched."""
+logprobs) for the n-gram proposer and for the model drafting for itself, at batch 1 and batched.
+One speculative LLM serves both proposers (its engine's speculator is switched)."""
 from __future__ import annotations
 
 import pytest
@@ -28,6 +29,16 @@ def reference(plain):
     return plain.generate(PROMPTS, sp)
 
 
+@pytest.fixture(scope="module")
+def spec(plain):
+    from runtime.proposers import NgramProposer
+    from runtime.speculative import SpeculativeConfig, SpeculativeDecoder
+
+    llm = LLM(DEFAULT_MODEL_ID, max_seq_len_to_capture=256, speculative_model=plain, num_speculative_tokens=4)
+    return llm, {"self": llm.engine.speculator,
+                 "ngram": SpeculativeDecoder(NgramProposer(2, 4), SpeculativeConfig(4))}
+
+
 def _check(ref, ours: list[int]) -> None:
     want = ref.outputs[0]
     assert len(ours) == len(want.token_ids)
@@ -39,18 +50,17 @@ def _check(ref, ours: list[int]) -> None:
             return
 
 
-@pytest.mark.parametrize("draft", ["[ngram]", "self"])
-def test_greedy_equals_plain_decoding(plain, reference, draft):
-    llm = LLM(DEFAULT_MODEL_ID, max_seq_len_to_capture=256, speculative_model=plain if draft == "self" else draft,
-              num_speculative_tokens=4)
+@pytest.mark.parametrize("proposer", ["ngram", "self"])
+def test_greedy_equals_plain_decoding(spec, reference, proposer):
+    spec, speculators = spec
+    eng = spec.engine
+    eng.speculator = speculators[proposer]
+    accepted = eng.stats.spec_accepted_tokens
     sp = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-    one = llm.generate(PROMPTS[0], sp)
-    _check(reference[0], one.outputs[0].token_ids)
-    for ref, out in zip(reference, llm.generate(PROMPTS, sp)):
+    _check(reference[0], spec.generate(PROMPTS[0], sp).outputs[0].token_ids)  # batch 1
+    for ref, out in zip(reference[1:], spec.generate(PROMPTS[1:], sp)):  # batched
         _check(ref, out.outputs[0].token_ids)
-    st = llm.engine.stats
-    assert st.spec_accepted_tokens > 0 and st.spec_mean_accepted_length > 1.0
-    blocks = llm.engine.scheduler.blocks
+    assert eng.stats.spec_accepted_tokens > accepted and eng.stats.spec_mean_accepted_length > 1.0
+    blocks = eng.scheduler.blocks
     blocks.check_invariants()
     assert blocks.num_free_blocks == blocks.num_usable_blocks
-    llm.shutdown()
