@@ -45,9 +45,10 @@ CASES = [
 @pytest.mark.parametrize("proposer", ["draft", "point_mass"])
 def test_emitted_tokens_follow_the_target(sp, proposer):
     g = torch.Generator().manual_seed(zlib.crc32(repr((proposer, sorted(sp.items()))).encode()))  # fixed seeds
-    p = filtered(torch.randn(K + 1, V, generator=g) * 1.5, **sp)  # target, one row per position
-    if proposer == "draft":
-        q = filtered(torch.randn(K, V, generator=g) * 1.5, **sp)  # a different draft, same filters
+    logits = torch.randn(K + 1, V, generator=g) * 1.5
+    p = filtered(logits, **sp)  # target, one row per position
+    if proposer == "draft":  # a different draft near the target (their filtered supports overlap), same filters
+        q = filtered(logits[:K] + torch.randn(K, V, generator=g), **sp)
         drafts = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=g) for j in range(K)], 1)
         qb = q[None].expand(N, K, V)
     else:  # n-gram: deterministic guesses, one of them outside the filtered set when there is one
