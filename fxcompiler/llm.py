@@ -199,20 +199,32 @@ class LLM:
                           keep_gguf_quantization=keep_gguf_quantization, quantize_lm_head=quantize_lm_head,
                           group_size=quantization_group_size)
         quantization_options(**quant_args, check_source=False)  # validate before loading anything
-        if speculative_model is not None or num_speculative_tokens is not None or any(
-                v not in (None, {}) for v in (speculative_model_llm_config, speculative_model_qformat_path,
-                                              speculative_model_qparam_path, speculative_model_quant_ckpt_file_path,
-                                              speculative_model_config or None, speculative_model_bucket_config,
-                                              speculative_draft_tensor_parallel_size,
-                                              speculative_draft_pipeline_parallel_size,
-                                              speculative_draft_data_parallel_size,
-                                              speculative_draft_num_blocks_per_pp_stage)):
-            raise _later("speculative decoding", "speculative-decoding issue")
+        from .speculative import parse_request
+
+        spec_request = parse_request(
+            speculative_model, num_speculative_tokens,
+            dict(devices=devices, tp=tensor_parallel_size, pp=pipeline_parallel_size, dp=data_parallel_size),
+            speculative_model_llm_config=speculative_model_llm_config,
+            speculative_model_qformat_path=speculative_model_qformat_path,
+            speculative_model_qparam_path=speculative_model_qparam_path,
+            speculative_model_quant_ckpt_file_path=speculative_model_quant_ckpt_file_path,
+            speculative_model_config=speculative_model_config or None,
+            speculative_model_bucket_config=speculative_model_bucket_config,
+            speculative_draft_tensor_parallel_size=speculative_draft_tensor_parallel_size,
+            speculative_draft_pipeline_parallel_size=speculative_draft_pipeline_parallel_size,
+            speculative_draft_data_parallel_size=speculative_draft_data_parallel_size,
+            speculative_draft_num_blocks_per_pp_stage=speculative_draft_num_blocks_per_pp_stage)
+        if spec_request is not None and kv_cache_sharing_across_beams_config is not None:
+            raise ValueError("speculative_model cannot be combined with kv_cache_sharing_across_beams_config: that "
+                             "engine serves beam search only, and beam search runs without speculation")
         from .parallel_llm import resolve_plan
 
         self.parallel_plan = None if mppp is not None else resolve_plan(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, self.devices, num_blocks_per_pp_stage)
         self._workers = None
+        if spec_request is not None and self.parallel_plan is not None:
+            raise _later("speculative decoding with tensor/pipeline/data parallelism (a target with rank workers)",
+                         "speculative-decoding issue")
         if kv_cache_sharing_across_beams_config is not None and not isinstance(
                 kv_cache_sharing_across_beams_config, KvCacheSharingAcrossBeamsConfig):
             raise TypeError("kv_cache_sharing_across_beams_config must be a KvCacheSharingAcrossBeamsConfig, got "
@@ -282,6 +294,10 @@ class LLM:
             warnings.warn(f"max_seq_len_to_capture={max_seq_len_to_capture} differs from the largest decode bucket "
                           f"({largest_decode}); using {largest_decode}")
         self.max_seq_len_to_capture = largest_decode
+        if spec_request is not None:
+            from .speculative import check_before_build
+
+            check_before_build(self, spec_request)
         largest_prefill = max((b.attention_size for b in prefill), default=0)
         if max_prompt_len is not None and max_prompt_len > largest_prefill:
             raise ValueError(f"max_prompt_len={max_prompt_len} is larger than the largest prefill bucket "
@@ -344,6 +360,11 @@ class LLM:
         if artifacts_export_path is not None:
             self._export_artifact(artifacts_export_path, param_saved_format)
         self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
+        self.speculative_llm, self.num_speculative_tokens = None, None
+        if spec_request is not None:
+            from .speculative import attach
+
+            attach(self, spec_request)
 
     def _start_parallel(self, llm_kwargs, config, prefill, decode, block_size, enable_prefix_caching, skip_engine,
                         artifacts_export_path, beams_config) -> None:

@@ -306,6 +306,32 @@ class BlockManager:
         seq.slot = -1
         seq.num_cached = 0
 
+    # -- speculative decoding: slots for drafted tokens, given back when they are rejected --------
+    def reserve_lookahead(self, seq: Sequence, num_tokens: int) -> bool:
+        """Blocks for ``seq``'s first ``num_tokens`` tokens (drafted tokens beyond its current
+        ones); False, taking nothing, when the table or the pool cannot hold them."""
+        have = int(self.num_seq_blocks[seq.slot])
+        need = self.blocks_needed(num_tokens)
+        if need <= have:
+            return True
+        if need > self.max_blocks_per_seq or need - have > self.num_free_blocks:
+            return False
+        for i in range(have, need):
+            self.block_tables[seq.slot, i] = self._take()
+        self.num_seq_blocks[seq.slot] = need
+        return True
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Release ``seq``'s blocks beyond its first ``num_tokens`` tokens (rejected drafts' slots)."""
+        keep = self.blocks_needed(num_tokens)
+        have = int(self.num_seq_blocks[seq.slot])
+        for i in range(have - 1, keep - 1, -1):
+            self._release(int(self.block_tables[seq.slot, i]))
+            self.block_tables[seq.slot, i] = NULL_BLOCK
+        if have > keep:
+            self.num_seq_blocks[seq.slot] = keep
+            self._registered[seq.slot] = min(int(self._registered[seq.slot]), keep)
+
     def check_invariants(self) -> None:
         """Reference counts equal table references; every block is in exactly one place (tests)."""
         refs = np.zeros(self.num_blocks, dtype=np.int64)

@@ -42,6 +42,19 @@ class EngineStats:
     prefix_cache_hits: int = 0  # of which reused from cached blocks (not recomputed)
     prefix_cache_evictions: int = 0
     copies_on_write: int = 0  # shared blocks copied before a forked sequence wrote into them
+    spec_verify_steps: int = 0  # speculative decoding: decode steps run as verify steps
+    spec_verified_seqs: int = 0  # sequences (summed over verify steps) that had drafts verified
+    spec_proposed_tokens: int = 0  # drafted tokens verified
+    spec_accepted_tokens: int = 0  # of which accepted
+
+    @property
+    def spec_acceptance_rate(self) -> float:
+        return self.spec_accepted_tokens / self.spec_proposed_tokens if self.spec_proposed_tokens else 0.0
+
+    @property
+    def spec_mean_accepted_length(self) -> float:
+        """Tokens emitted per verified sequence and step (accepted drafts + the target's token)."""
+        return 1.0 + self.spec_accepted_tokens / self.spec_verified_seqs if self.spec_verified_seqs else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -84,6 +97,7 @@ class Engine:
         self._token_text: dict[int, str] = {}
         self.beam_sharing = None  # KvCacheSharingAcrossBeamsConfig: its rules bind every request
         self._arrival = itertools.count()
+        self.speculator = None  # runtime.speculative.SpeculativeDecoder when speculative decoding is on
 
     # -- requests -------------------------------------------------------------------------
     def configure(self, *, enable_prefix_caching: bool | None = None, prefill_chunk_size: int | None = None,
@@ -155,6 +169,8 @@ class Engine:
             for s in state.seqs:
                 if not s.is_finished:
                     self.scheduler.finish(s, "abort")
+            if self.speculator is not None:
+                self.speculator.sweep()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -171,10 +187,21 @@ class Engine:
             return self._fail_batch(batch, exc)
         finally:
             self.scheduler.note_step_time(batch, time.perf_counter() - t0)
+            if self.speculator is not None:
+                self.speculator.sweep()
 
     def _step(self, batch) -> list[RequestOutput]:
+        if self.speculator is not None and not batch.is_prefill:
+            outs = self.speculator.decode_step(self, batch)  # None: no drafts this step
+            if outs is not None:
+                return outs
         logits = self.runner.execute(batch)
         self._account(batch)
+        return self._advance(batch, logits)
+
+    def _advance(self, batch, logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample (or advance the beam search of) every sequence of ``batch`` from its rows of
+        ``logits`` (``batch.logit_rows``); the outputs of the requests it touched."""
         blocks = self.scheduler.blocks
         rows: list[int] = []
         seqs: list[Sequence] = []

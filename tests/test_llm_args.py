@@ -47,7 +47,7 @@ def test_device_parsing():
     (dict(prefill_chunk_size=64, scheduler_config=SchedulerConfig(prefill_chunk_size=32)), ValueError, "conflicts"),
     (dict(enable_chunked_prefill=False, prefill_chunk_size=64), ValueError, "conflicts"),
     (dict(enable_prefix_caching="yes"), TypeError, "enable_prefix_caching"),
-    (dict(speculative_model="x", num_speculative_tokens=3), NotImplementedError, "speculative"),
+    (dict(speculative_model="[ngram]", num_speculative_tokens=0), ValueError, "num_speculative_tokens"),
     (dict(num_compile_workers=0), ValueError, "num_compile_workers"),
     (dict(artifacts_export_path=3), TypeError, "artifacts_export_path"),
     (dict(use_blockwise_compile="yes"), TypeError, "use_blockwise_compile"),
