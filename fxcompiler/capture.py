@@ -15,6 +15,7 @@ output: ``logits[N, vocab]``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ import torch
 from torch.export import Dim
 
 from .models.attention import paged_inputs, use_paged_attention
+from .models.moe import fxc_moe_blocks
 from .models.rope import stateless_rope
 from .models.support_check import check_attention_routed
 
@@ -162,8 +164,9 @@ def check_architecture(model: torch.nn.Module) -> None:
                     name, SUPPORTED_ARCHITECTURES)
 
 
-def capture(model: torch.nn.Module, *, block_size: int = 16) -> CapturedProgram:
-    """Export ``model`` (a transformers causal LM) into a :class:`CapturedProgram`."""
+def capture(model: torch.nn.Module, *, block_size: int = 16, moe_op: bool = True) -> CapturedProgram:
+    """Export ``model`` (a transformers causal LM) into a :class:`CapturedProgram` (``moe_op``: recognised
+    MoE blocks as one ``fxc::moe`` node each, else transformers' ``batched_mm`` experts)."""
     check_architecture(model)
     previous = model.config._attn_implementation
     previous_experts = getattr(model.config, "_experts_implementation", None)
@@ -178,7 +181,8 @@ def capture(model: torch.nn.Module, *, block_size: int = 16) -> CapturedProgram:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         args = example_inputs(geometry, block_size=block_size, device=device)  # on the model's device
         t0 = time.perf_counter()
-        with torch.no_grad(), stateless_rope(model):
+        moe_blocks = fxc_moe_blocks(model) if moe_op else contextlib.nullcontext(0)
+        with torch.no_grad(), stateless_rope(model), moe_blocks:
             ep = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(geometry.num_layers),
                                      strict=False)
     finally:

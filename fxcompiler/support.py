@@ -5,8 +5,9 @@
 documentation never claims what the code does not do. What each column comes from:
 
 * *parity*: the tests that assert greedy token parity with transformers for the architecture
-  (``tests/test_model_coverage.py``: float64, 8 prompts x 32 tokens through ``fx``; Llama-shaped and
-  MoE ones also through ``dfg``/``edf``). A test failing fails CI, which fails the table check's run.
+  (``tests/test_model_coverage.py``: float64, 8 prompts x 32 tokens through ``fx``, Qwen3-MoE also
+  through ``dfg``/``edf``; Llama, Qwen2, Mistral and GPT-2 in ``tests/test_llm_parity.py``: 8 prompts x 64
+  tokens through ``fx``, ``dfg`` and ``edf``). A test failing fails CI, which fails the table check's run.
 * *fusions*: measured here: the tiny float32 config is captured and run through the default pass
   pipeline; a pass is listed with the number of rewrites it made (per 2 layers).
 * *kernels*: the ``fxc`` ops left in the optimised float32 graph, with ``lower_cpu_kernels`` told that
@@ -40,10 +41,10 @@ KNOWN_LIMITS = {
     "stablelm": "LayerNorm (not RMSNorm); per-head q/k LayerNorm: no fuse_qkv_attention",
     "gptj": "interleaved (rotate-every-two) partial rotary: no fuse_rope; GELU MLP",
     "gpt2": "LayerNorm, GELU MLP, no rope",
-    "qwen3_moe": "experts as batched gathers of the selected experts (no fxc::moe op yet); q/k norm",
-    "mixtral": "experts as batched gathers of the selected experts (no fxc::moe op yet)",
-    "gpt_oss": "experts as batched gathers (no fxc::moe op yet); sinks: no fuse_qkv_attention; chunked rope form: "
-               "no fuse_rope; clamped swiglu: no fuse_silu_mul",
+    "qwen3_moe": "fxc::moe kernel in ATen (a grouped matmul per selected expert; no C++ kernel yet); q/k norm",
+    "mixtral": "fxc::moe kernel in ATen (a grouped matmul per selected expert; no C++ kernel yet)",
+    "gpt_oss": "fxc::moe kernel in ATen (no C++ kernel yet); sinks: no fuse_qkv_attention; chunked rope form: "
+               "no fuse_rope",
 }
 PARITY = {name: ("fp64 fx, dfg, edf" if name in ("llama", "qwen3_moe") else "fp64 fx") for name in zoo_names()}
 PARITY.update({"qwen2": "fp64 fx, dfg, edf", "mistral": "fp64 fx, dfg, edf", "gpt2": "fp64 fx, dfg, edf"})
