@@ -50,3 +50,13 @@ def test_no_causal_lm_class(tmp_path):
     path = _save(ViTConfig(architectures=["ViTModel"]), tmp_path / "vit")
     with pytest.raises(UnsupportedModelError, match=r"^ViTModel: model_type 'vit' has no causal-LM class"):
         LLM(path, max_seq_len_to_capture=64, cache_dir=None, use_random_weight=True)
+
+
+def test_encoder_task_types_raise_naming_the_reason(tiny_models):
+    with pytest.raises(NotImplementedError, match=r"task_type='question-answering': encoder task types .* paged KV"):
+        LLM(str(tiny_models["llama"]), task_type="question-answering", cache_dir=None)
+    llm = LLM.__new__(LLM)  # the methods refuse before touching the instance (no build needed)
+    for call, match in ((lambda: llm.embed(["a"]), "LLM.embed"), (lambda: llm.score("a", "b"), "LLM.score"),
+                        (lambda: llm.bert_forward(["q"], ["c"]), "LLM.bert_forward")):
+        with pytest.raises(NotImplementedError, match=rf"^{match}: encoder task types"):
+            call()
