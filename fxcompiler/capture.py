@@ -15,6 +15,7 @@ output: ``logits[N, vocab]``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -22,7 +23,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.export import Dim
 
-from .models.attention import use_paged_attention
+from .models.attention import paged_inputs, use_paged_attention
+from .models.moe import fxc_moe_blocks
+from .models.rope import stateless_rope
+from .models.support_check import check_attention_routed
 
 log = logging.getLogger("fxcompiler.capture")
 
@@ -32,6 +36,9 @@ USER_INPUTS = ("input_ids", "position_ids", "k_caches", "v_caches", "block_table
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM", "GPT2LMHeadModel",
     "Qwen3ForCausalLM", "Phi3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM",
+    # the rest of fxcompiler.model_zoo (tests/test_model_coverage.py)
+    "GPTJForCausalLM", "Exaone4ForCausalLM", "Gemma3ForCausalLM", "Olmo2ForCausalLM", "GraniteForCausalLM",
+    "StableLmForCausalLM", "MixtralForCausalLM", "Qwen3MoeForCausalLM", "GptOssForCausalLM",
 )
 
 
@@ -83,19 +90,21 @@ class CaptureWrapper(torch.nn.Module):
         super().__init__()
         self.model = model
         self.final_logit_softcapping = getattr(model.config, "final_logit_softcapping", None)
+        self.logits_scaling = getattr(model.config, "logits_scaling", None)  # Granite divides the logits by it
 
     def forward(self, input_ids, position_ids, k_caches, v_caches, block_table, slot_mapping, seq_lens,
                 logits_indices):
-        out = self.model.base_model(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False,
-            fxc_k_caches=k_caches, fxc_v_caches=v_caches, fxc_block_table=block_table,
-            fxc_slot_mapping=slot_mapping, fxc_query_pos=position_ids, fxc_seq_lens=seq_lens,
-        )
+        paged = dict(fxc_k_caches=k_caches, fxc_v_caches=v_caches, fxc_block_table=block_table,
+                     fxc_slot_mapping=slot_mapping, fxc_query_pos=position_ids, fxc_seq_lens=seq_lens)
+        with paged_inputs(paged):  # for decoder layers that do not pass their kwargs on (StableLM)
+            out = self.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False, **paged)
         hidden = out[0]
         # Logits of every row, then the sampled ones: the ``logits_slice`` pass moves the
         # selection in front of lm_head (and the final norm), so only those rows are computed.
         logits = self.model.get_output_embeddings()(hidden.reshape(-1, hidden.shape[-1]))
         logits = logits.index_select(0, logits_indices)
+        if self.logits_scaling and self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
         if self.final_logit_softcapping:
             logits = torch.tanh(logits / self.final_logit_softcapping) * self.final_logit_softcapping
         return logits
@@ -155,23 +164,33 @@ def check_architecture(model: torch.nn.Module) -> None:
                     name, SUPPORTED_ARCHITECTURES)
 
 
-def capture(model: torch.nn.Module, *, block_size: int = 16) -> CapturedProgram:
-    """Export ``model`` (a transformers causal LM) into a :class:`CapturedProgram`."""
+def capture(model: torch.nn.Module, *, block_size: int = 16, moe_op: bool = True) -> CapturedProgram:
+    """Export ``model`` (a transformers causal LM) into a :class:`CapturedProgram` (``moe_op``: recognised
+    MoE blocks as one ``fxc::moe`` node each, else transformers' ``batched_mm`` experts)."""
     check_architecture(model)
     previous = model.config._attn_implementation
+    previous_experts = getattr(model.config, "_experts_implementation", None)
     use_paged_attention(model)
+    if previous_experts is not None:
+        # Exportable in every dtype (grouped_mm has no fp64 CPU kernel), and it gathers only the
+        # selected experts' weights per token.
+        model.set_experts_implementation("batched_mm")
     try:
         geometry = model_geometry(model)
         wrapper = CaptureWrapper(model).eval()
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         args = example_inputs(geometry, block_size=block_size, device=device)  # on the model's device
         t0 = time.perf_counter()
-        with torch.no_grad():
+        moe_blocks = fxc_moe_blocks(model) if moe_op else contextlib.nullcontext(0)
+        with torch.no_grad(), stateless_rope(model), moe_blocks:
             ep = torch.export.export(wrapper, args, dynamic_shapes=_dynamic_shapes(geometry.num_layers),
                                      strict=False)
     finally:
         model.set_attn_implementation(previous)  # leave the user's model as it was
+        if previous_experts is not None:
+            model.set_experts_implementation(previous_experts)
     seconds = time.perf_counter() - t0
+    check_attention_routed(model, ep.graph_module, geometry.num_layers)
     log.info("exported %s in %.1fs (%d nodes)", type(model).__name__, seconds, len(ep.graph.nodes))
     return _from_exported_program(ep, geometry, seconds)
 

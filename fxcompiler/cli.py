@@ -367,7 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--artifact", default=None, help="load this artifact directory instead of building --model")
     c.set_defaults(func=cmd_chat)
+    m = sub.add_parser("models", help="the model support table (measured: fusions and kernels per architecture)")
+    m.add_argument("--arch", action="append", default=None, help="only these zoo architectures (repeatable)")
+    m.add_argument("--write", default=None, metavar="FILE", help="replace the table between the markers in FILE")
+    m.add_argument("--check", default=None, metavar="FILE", help="exit 1 when FILE's table differs")
+    m.add_argument("-v", "--verbose", action="store_true")
+    m.set_defaults(func=cmd_models)
     return parser
+
+
+def cmd_models(args) -> int:
+    from .support import cmd_models as run
+
+    return run(args.arch, args.write, args.check)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,8 @@ from .pipeline import DataBlob, Pipeline, SuperTaskKind, retarget_compute_supert
 
 FORMAT = "fxcompiler-edf/1"
 PACKAGE_SUFFIX = ".pt2"
-_REF_MODULES = ("fxcompiler.ops.fused", "fxcompiler.ops.paged_attention", "fxcompiler.ops.linear")
+_REF_MODULES = ("fxcompiler.ops.fused", "fxcompiler.ops.paged_attention", "fxcompiler.ops.linear",
+                "fxcompiler.ops.moe")
 
 
 class EdfCompileError(RuntimeError):
@@ -117,6 +118,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
     fused = importlib.import_module("fxcompiler.ops.fused")
     pa = importlib.import_module("fxcompiler.ops.paged_attention")
     lin = importlib.import_module("fxcompiler.ops.linear")
+    moe = importlib.import_module("fxcompiler.ops.moe")
     ops = torch.ops.fxc
     # The fused q/k/v attention becomes ATen head views + the rope reference (Inductor fuses them
     # with their neighbours) around the attention op, kept or itself rewritten like a lone one.
@@ -130,6 +132,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         ops.linear.default: lin.linear_reference,
         ops.linear_w8.default: lin.linear_w8_reference,
         ops.linear_by_m.default: lin.linear_by_m_dense,
+        ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined
     }
 
 

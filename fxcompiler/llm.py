@@ -38,6 +38,11 @@ def default_cache_dir() -> Path:
 CACHE_DIR = default_cache_dir()
 
 
+_ENCODER_TASKS = ("{what}: encoder task types (BERT question answering through bert_forward, embedding / scoring "
+                  "models through LLM.embed / LLM.score) are not implemented yet: the capture and the pipelines "
+                  "assume a causal decoder with a paged KV cache; only 'text-generation' models are supported")
+
+
 def _later(capability: str, issue: str) -> NotImplementedError:
     return NotImplementedError(f"{capability} is not implemented yet ({issue}); see the README's feature table")
 
@@ -142,7 +147,7 @@ class LLM:
 
         # -- argument validation (every error names its argument) --------------------------------
         if task_type not in (None, "text-generation"):
-            raise NotImplementedError(f"task_type={task_type!r}: only 'text-generation' models are supported")
+            raise NotImplementedError(_ENCODER_TASKS.format(what=f"task_type={task_type!r}"))
         if tokenizer_mode not in ("auto", "slow"):
             raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {tokenizer_mode!r}")
         if not isinstance(hf_overrides, dict):
@@ -661,6 +666,18 @@ class LLM:
                 self._pending.pop(rid, None)
         outputs = [results[r] for r in request_ids]
         return outputs[0] if single else outputs
+
+    def embed(self, prompts, *args, **kwargs):
+        """vLLM's pooled embeddings: not implemented (raises ``NotImplementedError`` naming the reason)."""
+        raise NotImplementedError(_ENCODER_TASKS.format(what="LLM.embed"))
+
+    def score(self, text_1, text_2, *args, **kwargs):
+        """vLLM's cross-encoder / reranker scores: not implemented (raises ``NotImplementedError``)."""
+        raise NotImplementedError(_ENCODER_TASKS.format(what="LLM.score"))
+
+    def bert_forward(self, prompts, contexts, *args, **kwargs):
+        """furiosa's BERT question answering: not implemented (raises ``NotImplementedError``)."""
+        raise NotImplementedError(_ENCODER_TASKS.format(what="LLM.bert_forward"))
 
     def chat(self, messages, sampling_params: SamplingParams = SamplingParams(),  # noqa: B008
              chat_template: str | None = None, chat_template_content_format: Literal["string"] = "string",

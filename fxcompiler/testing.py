@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .capture import CapturedProgram, capture
+from .model_zoo import ZOO, zoo_config, zoo_names  # noqa: F401  (tiny configs of 20 architectures)
 from .pass_manager import CompileContext, FunctionPass, Pass
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
@@ -208,3 +209,30 @@ def assert_pass_preserves_semantics(p: Pass, program: CapturedProgram, inputs: d
         torch.testing.assert_close(got[1][name], expected[1][name], rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"pass {p.name!r} changed {name}: {m}")
     return result.info
+
+
+def zoo_architectures(moe: bool | None = None):
+    """Strategy: names of :mod:`fxcompiler.model_zoo` architectures (``zoo_config(name)`` builds the config)."""
+    from hypothesis import strategies as st
+
+    return st.sampled_from(zoo_names(moe))
+
+
+@functools.lru_cache(maxsize=64)
+def _capture_zoo_cached(name: str, seed: int, dtype: torch.dtype) -> CapturedProgram:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(zoo_config(name), dtype=dtype).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.2)
+    return capture(model)
+
+
+def capture_zoo_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> CapturedProgram:
+    """The exported graph of the tiny zoo architecture ``name`` (a fresh copy each call; exports are cached)."""
+    program = copy_program(_capture_zoo_cached(name, seed, dtype))
+    program.info["tiny_key"] = ("zoo", name, seed, dtype)
+    return program

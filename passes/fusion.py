@@ -317,7 +317,7 @@ class FuseQkvAttentionPass:
 
     @staticmethod
     def _match(pa: Node):
-        if pa.kwargs or len(pa.args) < 10 or len(pa.users) != 1:
+        if pa.kwargs or len(pa.args) < 10 or len(pa.args) > 12 or len(pa.users) != 1:  # > 12: sinks (no fused form)
             return None
         out = next(iter(pa.users))
         if not _is_view(out):

@@ -42,7 +42,7 @@ def kernel_module():
 
 
 def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
-                        scale, sliding_window=-1, softcap=0.0):
+                        scale, sliding_window=-1, softcap=0.0, sinks=None):
     """What a CPU call of ``fxc::paged_attention`` runs: the C++ decode kernel for calls of up to 4 query
     tokens (``kMaxKernelQueryTokens`` in ``csrc/paged_attention.cpp``; beyond, SDPA's blocked kernel wins),
     else the C++ cache write and SDPA over the gathered context (the ATen reference when the module
@@ -50,9 +50,9 @@ def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_m
     mod = kernel_module()
     if mod is not None:
         return mod.paged_attention(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
-                                   seq_lens, scale, sliding_window, softcap)
+                                   seq_lens, scale, sliding_window, softcap, sinks)
     return paged_attention_reference(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,
-                                     seq_lens, scale, sliding_window, softcap)
+                                     seq_lens, scale, sliding_window, softcap, sinks)
 
 
 def _aten_sum_lanes(mod) -> int:

@@ -165,7 +165,13 @@ def check_decoder_only(config) -> None:
 def load_config(model_dir: Path, hf_overrides: dict[str, Any] | None, trust_remote_code: bool):
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+    from .support_check import check_config, unknown_config_error
+
+    try:
+        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code, local_files_only=True)
+    except (ValueError, KeyError) as e:  # a model_type transformers does not know
+        raise unknown_config_error(model_dir, e) from e
+    check_config(config)
     for key, value in (hf_overrides or {}).items():
         if key in _POSITIVE_INT_FIELDS and value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                                                    or value < 1):

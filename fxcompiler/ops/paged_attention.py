@@ -43,11 +43,12 @@ def paged_attention_reference(
     scale: float,
     sliding_window: int = -1,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eager kernel for every device: cache write, block gather, masked softmax attention."""
     write_kv_reference(key, value, k_cache, v_cache, slot_mapping)
     return attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
-                            softcap)
+                            softcap, sinks)
 
 
 def write_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
@@ -60,8 +61,11 @@ def write_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
 
 
 def attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window=-1,
-                     softcap=0.0) -> torch.Tensor:
-    """Attention of ``query[B, Hq, S, D]`` over the cached context named by the block table."""
+                     softcap=0.0, sinks=None) -> torch.Tensor:
+    """Attention of ``query[B, Hq, S, D]`` over the cached context named by the block table.
+
+    ``sinks[Hq]`` (GPT-OSS): a per-head logit that joins every row's softmax and is dropped after it,
+    i.e. the denominator gains ``exp(sink - max)`` and the numerator nothing."""
     B, Hq, S, D = query.shape
     Hkv = k_cache.shape[2]
     bs = k_cache.shape[1]
@@ -78,30 +82,37 @@ def attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, 
     allowed = (j.view(1, 1, L) <= query_pos.unsqueeze(-1)) & (j.view(1, 1, L) < seq_lens.view(B, 1, 1))
     if sliding_window > 0:
         allowed &= j.view(1, 1, L) > (query_pos.unsqueeze(-1) - sliding_window)
-    if softcap > 0.0:
-        return _softcapped_attention(query, k_ctx, v_ctx, allowed, scale, softcap)
+    if softcap > 0.0 or sinks is not None:
+        return _softcapped_attention(query, k_ctx, v_ctx, allowed, scale, softcap, sinks)
     out = torch.nn.functional.scaled_dot_product_attention(
         query, k_ctx, v_ctx, attn_mask=allowed.unsqueeze(1), scale=scale, enable_gqa=Hq != Hkv)
     return out.transpose(1, 2).contiguous()
 
 
-def _softcapped_attention(query, k_ctx, v_ctx, allowed, scale, softcap):
-    """Gemma-2 style: scores = tanh(scores / cap) * cap before the mask (grouped matmul, no K/V repeat)."""
+def _softcapped_attention(query, k_ctx, v_ctx, allowed, scale, softcap, sinks=None):
+    """Gemma-2 style: scores = tanh(scores / cap) * cap before the mask (grouped matmul, no K/V repeat);
+    GPT-OSS sinks: one extra logit per query head in the softmax, dropped after it."""
     B, Hq, S, D = query.shape
     Hkv = k_ctx.shape[1]
     G = Hq // Hkv
     q = query.reshape(B, Hkv, G * S, D)
     scores = torch.matmul(q, k_ctx.transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap > 0.0:
+        scores = torch.tanh(scores / softcap) * softcap
     mask = allowed.repeat(1, G, 1).unsqueeze(1)  # rows are g-major like q
     scores = scores.masked_fill(~mask, float("-inf"))
-    out = torch.matmul(torch.softmax(scores, dim=-1), v_ctx)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # rows of q are (kv head, g, s): the sink of query head kv * G + g
+        sink = sinks.to(scores.dtype).view(1, Hkv, G, 1, 1).expand(B, Hkv, G, S, 1).reshape(B, Hkv, G * S, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.matmul(probs, v_ctx)
     return out.view(B, Hq, S, D).transpose(1, 2).contiguous()
 
 
 _SCHEMA = ("paged_attention(Tensor query, Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
            "Tensor block_table, Tensor slot_mapping, Tensor query_pos, Tensor seq_lens, float scale, "
-           "int sliding_window=-1, float softcap=0.0) -> Tensor")
+           "int sliding_window=-1, float softcap=0.0, Tensor? sinks=None) -> Tensor")
 
 # Defined with the low-level Library API rather than torch.library.custom_op: the op is
 # called once per layer per step, and custom_op's Python wrapper costs ~100 us a call.
@@ -112,7 +123,7 @@ _lib.impl("paged_attention", paged_attention_reference, "CompositeExplicitAutogr
 
 @torch.library.register_fake("fxc::paged_attention", lib=_lib)
 def _fake(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
-          scale, sliding_window=-1, softcap=0.0):
+          scale, sliding_window=-1, softcap=0.0, sinks=None):
     B, Hq, S, D = query.shape
     return query.new_empty(B, S, Hq, D)
 

@@ -300,7 +300,7 @@ constexpr int64_t kMinShareTokens = 64;  // shortest context share worth a threa
 template <typename scalar_t>
 void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_table, const torch::Tensor& query_pos, const torch::Tensor& seq_lens,
-            double scale, int64_t window, double softcap, torch::Tensor& out) {
+            double scale, int64_t window, double softcap, const double* sinks, torch::Tensor& out) {
   using acc_t = typename Acc<scalar_t>::type;
   const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
@@ -418,7 +418,9 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
         if (p.slot < 0) {
           scalar_t* dst = o + p.row * Hq * D;
           for (int64_t hq = 0; hq < Hq; ++hq) {
-            const acc_t inv = acc_t(1) / pm[Hq + hq];
+            // a sink joins the softmax's denominator only: exp(sink - max) beside the row's sum
+            const acc_t sink = sinks ? static_cast<acc_t>(std::exp(sinks[hq] - static_cast<double>(pm[hq]))) : acc_t(0);
+            const acc_t inv = acc_t(1) / (pm[Hq + hq] + sink);
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) dst[hq * D + d] = static_cast<scalar_t>(pacc[hq * D + d] * inv);
           }
@@ -450,6 +452,7 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
           const acc_t* pa = part_acc.data() + (k * Hq + hq) * D;
           for (int64_t d = 0; d < D; ++d) accum[d] += w * pa[d];
         }
+        if (sinks) denom += static_cast<acc_t>(std::exp(sinks[hq] - static_cast<double>(mx)));
         const acc_t inv = acc_t(1) / denom;
         for (int64_t d = 0; d < D; ++d) dst[hq * D + d] = static_cast<scalar_t>(accum[d] * inv);
       }
@@ -460,17 +463,25 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
 torch::Tensor paged_attention_cpu(torch::Tensor query, torch::Tensor key, torch::Tensor value,
                                   torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_table,
                                   torch::Tensor slot_mapping, torch::Tensor query_pos, torch::Tensor seq_lens,
-                                  double scale, int64_t sliding_window, double softcap) {
+                                  double scale, int64_t sliding_window, double softcap,
+                                  const std::optional<torch::Tensor>& sinks = std::nullopt) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "fxc::paged_attention: caches must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && key.scalar_type() == k_cache.scalar_type(),
               "fxc::paged_attention (cpu kernel): query/key/cache dtypes must match");
   block_table = block_table.contiguous();
   const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
   auto out = torch::empty({B, S, Hq, D}, query.options());
+  torch::Tensor sinks64;  // [Hq] in double: read once per row and head
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->numel() == Hq, "fxc::paged_attention: sinks must have one value per query head (", Hq,
+                "), got ", sinks->sizes());
+    sinks64 = sinks->to(torch::kDouble).contiguous();
+  }
+  const double* sink_ptr = sinks.has_value() ? sinks64.data_ptr<double>() : nullptr;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "fxc_paged_attention", [&] {
     write_cache<scalar_t>(key, value, k_cache, v_cache, slot_mapping);
     attend<scalar_t>(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap,
-                     out);
+                     sink_ptr, out);
   });
   return out;
 }
@@ -489,7 +500,8 @@ void write_cache_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cac
 // SDPA (grouped matmuls with a softcap).  fxcompiler/ops/paged_attention.py attend_reference, in C++.
 torch::Tensor attend_aten(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                           const torch::Tensor& block_table, const torch::Tensor& query_pos,
-                          const torch::Tensor& seq_lens, double scale, int64_t window, double softcap) {
+                          const torch::Tensor& seq_lens, double scale, int64_t window, double softcap,
+                          const std::optional<torch::Tensor>& sinks = std::nullopt) {
   const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2), MB = block_table.size(1), L = MB * bs;
   const auto flat = block_table.reshape({-1});
@@ -503,13 +515,21 @@ torch::Tensor attend_aten(const torch::Tensor& query, const torch::Tensor& k_cac
   const auto qp = query_pos.unsqueeze(-1);
   auto allowed = j.le(qp).logical_and(j.lt(seq_lens.view({B, 1, 1})));
   if (window > 0) allowed = allowed.logical_and(j.gt(qp - window));
-  if (softcap > 0.0) {
+  if (softcap > 0.0 || sinks.has_value()) {
     const int64_t G = Hq / Hkv;
     auto scores = at::matmul(query.reshape({B, Hkv, G * S, D}), k_ctx.transpose(-1, -2)) * scale;
-    scores = at::tanh(scores / softcap) * softcap;
+    if (softcap > 0.0) scores = at::tanh(scores / softcap) * softcap;
     const auto mask = allowed.repeat({1, G, 1}).unsqueeze(1);  // rows are g-major like q
     scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<double>::infinity());
-    const auto out = at::matmul(at::softmax(scores, -1), v_ctx);
+    torch::Tensor probs;
+    if (sinks.has_value()) {  // one extra logit per query head, dropped after the softmax
+      const auto sink = sinks->to(scores.scalar_type()).view({1, Hkv, G, 1, 1}).expand({B, Hkv, G, S, 1})
+                            .reshape({B, Hkv, G * S, 1});
+      probs = at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, scores.size(-1));
+    } else {
+      probs = at::softmax(scores, -1);
+    }
+    const auto out = at::matmul(probs, v_ctx);
     return out.view({B, Hq, S, D}).transpose(1, 2).contiguous();
   }
   const auto out = at::scaled_dot_product_attention(query, k_ctx, v_ctx, allowed.unsqueeze(1), 0.0, false, scale,
@@ -525,15 +545,16 @@ constexpr int64_t kMaxKernelQueryTokens = 4;  // beyond this, SDPA's blocked ker
 torch::Tensor paged_attention_op(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                                  torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
                                  torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                                 double softcap) {
+                                 double softcap, const std::optional<torch::Tensor>& sinks = std::nullopt) {
   if (query.size(2) <= kMaxKernelQueryTokens && query.scalar_type() == k_cache.scalar_type() &&
       key.scalar_type() == k_cache.scalar_type())
     return paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping.contiguous(),
-                               query_pos.contiguous(), seq_lens.contiguous(), scale, sliding_window, softcap);
+                               query_pos.contiguous(), seq_lens.contiguous(), scale, sliding_window, softcap, sinks);
   const auto dt = k_cache.scalar_type();
   write_cache_cpu(key.scalar_type() == dt ? key : key.to(dt), value.scalar_type() == dt ? value : value.to(dt),
                   k_cache, v_cache, slot_mapping);
-  return attend_aten(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap);
+  return attend_aten(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap,
+                     sinks);
 }
 
 // fxc::qkv_paged_attention on CPU: the same kernels as the unfused graph (views of the fused projection,
@@ -592,8 +613,14 @@ void register_cpu_kernels(int64_t aten_sum_lanes) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention_cpu", &paged_attention_cpu, "fxc::paged_attention CPU kernel (decode-shaped calls)");
-  m.def("paged_attention", &paged_attention_op, "fxc::paged_attention on CPU: decode kernel or cache write + SDPA");
+  m.def("paged_attention_cpu", &paged_attention_cpu, "fxc::paged_attention CPU kernel (decode-shaped calls)",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_table"), py::arg("slot_mapping"), py::arg("query_pos"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none());
+  m.def("paged_attention", &paged_attention_op, "fxc::paged_attention on CPU: decode kernel or cache write + SDPA",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_table"), py::arg("slot_mapping"), py::arg("query_pos"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none());
   m.def("_set_prefetch", [](int mode, int dist, int l2) { g_prefetch = mode; g_prefetch_dist = dist; g_l2_streams = l2; },
         "software prefetch of the KV blocks: mode (0 none, 1 T0, 2 T1, 3 NTA), distance in blocks, extra L2 "
         "streams (0 none, 1 V during K, 2 also the next piece's K during V) (measurements)",

@@ -1,0 +1,137 @@
+"""The model support table: which architectures are tested, and which fusions and kernels apply to each.
+
+``fxcompiler models`` prints it; ``docs/models.md`` holds it between markers and
+``tests/test_support_table.py`` regenerates it and fails when the checked-in copy differs, so the
+documentation never claims what the code does not do. What each column comes from:
+
+* *parity*: the tests that assert greedy token parity with transformers for the architecture
+  (``tests/test_model_coverage.py``: float64, 8 prompts x 32 tokens through ``fx``, Qwen3-MoE also
+  through ``dfg``/``edf``; Llama, Qwen2, Mistral and GPT-2 in ``tests/test_llm_parity.py``: 8 prompts x 64
+  tokens through ``fx``, ``dfg`` and ``edf``). A test failing fails CI, which fails the table check's run.
+* *fusions*: measured here: the tiny float32 config is captured and run through the default pass
+  pipeline; a pass is listed with the number of rewrites it made (per 2 layers).
+* *kernels*: the ``fxc`` ops left in the optimised float32 graph, with ``lower_cpu_kernels`` told that
+  ``fxc::linear`` wins everywhere (the real build asks the autotuner per shape; a fixed answer keeps the
+  table independent of machine load).
+"""
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+
+import torch
+
+from .model_zoo import ZOO, zoo_config, zoo_names
+
+FUSION_PASSES = ("fuse_rms_norm", "fuse_silu_mul", "fuse_rope", "fuse_projections", "lower_cpu_kernels",
+                 "fuse_qkv_attention")
+_COUNT_KEYS = {"fuse_projections": "fused_groups", "lower_cpu_kernels": "lowered"}
+BEGIN, END = "<!-- support-table:begin -->", "<!-- support-table:end -->"
+
+# What a user meets beyond the tested configs (measured reasons; docs/models.md explains each).
+KNOWN_LIMITS = {
+    "llama_dynamic_rope": "NTK rescaling only applies beyond max_position_embeddings, which LLM refuses",
+    "phi3": "a sequence crossing original_max_position_embeddings keeps short-factor keys (transformers "
+            "re-prefills); qkv split by slicing: no fuse_qkv_attention",
+    "qwen3": "per-head q/k norm between projection and rope: no fuse_qkv_attention (the norms fuse as rms_norm)",
+    "olmo2": "q/k norm over all heads between projection and head split: no fuse_qkv_attention",
+    "exaone4": "q/k norm: no fuse_qkv_attention; full-attention layers have no rope",
+    "gemma3": "q/k norm: no fuse_qkv_attention; gelu-tanh MLP: no fuse_silu_mul",
+    "gemma2": "gelu-tanh MLP: no fuse_silu_mul",
+    "stablelm": "LayerNorm (not RMSNorm); per-head q/k LayerNorm: no fuse_qkv_attention",
+    "gptj": "interleaved (rotate-every-two) partial rotary: no fuse_rope; GELU MLP",
+    "gpt2": "LayerNorm, GELU MLP, no rope",
+    "qwen3_moe": "fxc::moe kernel in ATen (a grouped matmul per selected expert; no C++ kernel yet); q/k norm",
+    "mixtral": "fxc::moe kernel in ATen (a grouped matmul per selected expert; no C++ kernel yet)",
+    "gpt_oss": "fxc::moe kernel in ATen (no C++ kernel yet); sinks: no fuse_qkv_attention; chunked rope form: "
+               "no fuse_rope",
+}
+PARITY = {name: ("fp64 fx, dfg, edf" if name in ("llama", "qwen3_moe") else "fp64 fx") for name in zoo_names()}
+PARITY.update({"qwen2": "fp64 fx, dfg, edf", "mistral": "fp64 fx, dfg, edf", "gpt2": "fp64 fx, dfg, edf"})
+
+
+@dataclass
+class ArchitectureReport:
+    name: str
+    model_class: str
+    constructs: str
+    fusions: dict[str, int] = field(default_factory=dict)
+    kernels: dict[str, int] = field(default_factory=dict)
+
+
+class _KernelAlwaysWins:
+    """A ``LinearKernelTuner`` whose answer is fixed: fxc::linear is 2x faster (table determinism)."""
+
+    def isa(self) -> str:
+        return "fixed"
+
+    def measure(self, k, n, weight_dtype, baseline, ms):
+        from .ops.linear import LinearTimings
+
+        return LinearTimings({m: 1.0 for m in ms}, {m: 2.0 for m in ms})
+
+
+def measure(name: str, dtype: torch.dtype = torch.float32) -> ArchitectureReport:
+    """Capture the tiny ``name`` config and run the default pipeline; count fusions and fxc ops."""
+    from transformers import AutoModelForCausalLM
+
+    from .capture import capture
+    from .pipeline_builder import optimise
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(zoo_config(name), dtype=dtype).eval()
+    gm, ctx = optimise(capture(model), {}, [], {"kernel_tuner": _KernelAlwaysWins()})
+    fusions = {}
+    for h in ctx.history:
+        if h["pass"] in FUSION_PASSES:
+            n = int(h.get(_COUNT_KEYS.get(h["pass"], "fused"), 0) or 0)
+            fusions[h["pass"]] = fusions.get(h["pass"], 0) + n
+    kernels = collections.Counter(str(n.target).split(".")[1] for n in gm.graph.nodes
+                                  if n.op == "call_function" and str(n.target).startswith("fxc."))
+    entry = ZOO[name]
+    return ArchitectureReport(name, entry.model_class, entry.constructs, fusions, dict(sorted(kernels.items())))
+
+
+def render(reports: list[ArchitectureReport]) -> str:
+    """The markdown table (between the markers that docs/models.md keeps it in)."""
+    rows = ["| architecture | transformers class | constructs | task | greedy parity tested | fusions applied "
+            "(count, 2 layers) | fxc kernels in the graph | known limits |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        fused = ", ".join(f"{p} {n}" for p, n in r.fusions.items() if n) or "none"
+        kernels = ", ".join(f"{k} {n}" for k, n in r.kernels.items()) or "none"
+        rows.append(f"| {r.name} | {r.model_class} | {r.constructs} | text generation | {PARITY[r.name]} | {fused} "
+                    f"| {kernels} | {KNOWN_LIMITS.get(r.name, '')} |")
+    return "\n".join([BEGIN, *rows, END])
+
+
+def support_table(names: list[str] | None = None) -> str:
+    return render([measure(n) for n in (names or zoo_names())])
+
+
+def replace_in(text: str, table: str) -> str:
+    """``text`` with the part between the markers replaced by ``table`` (which includes the markers)."""
+    start, end = text.index(BEGIN), text.index(END) + len(END)
+    return text[:start] + table + text[end:]
+
+
+def extract(text: str) -> str:
+    return text[text.index(BEGIN): text.index(END) + len(END)]
+
+
+def cmd_models(archs: list[str] | None, write: str | None, check: str | None) -> int:
+    """``fxcompiler models``: print the table; ``write``: put it into a file; ``check``: compare (1 if stale)."""
+    from pathlib import Path
+
+    table = support_table(archs)
+    if write:
+        path = Path(write)
+        path.write_text(replace_in(path.read_text(), table))
+    if check:
+        current = extract(Path(check).read_text())
+        if current != table:
+            print(f"{check}: the support table is stale; regenerate with: fxcompiler models --write {check}")
+            return 1
+    if not (write or check):
+        print(table)
+    return 0
