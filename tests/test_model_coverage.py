@@ -126,5 +126,9 @@ def test_fusion_passes_preserve_semantics_on_zoo_architectures():
     for name in ("gemma2", "qwen3", "gpt_oss", "mixtral"):
         program = testing.capture_zoo_model(name)
         inputs = testing.example_inputs(program, testing.TestBucket(2, 3, 20, 16))
+        # transformers' Gemma2RMSNorm computes in float32 even in a float64 model (``x.float()``), so the
+        # fused fxc::rms_norm (C++ kernel once loaded) rounds like any fp32 reduction: ~1e-7, not 1e-9
+        tol = 1e-5 if name == "gemma2" else 1e-9
         for p in ("fuse_rms_norm", "fuse_rope"):
-            testing.assert_pass_preserves_semantics(get_pass(p), program, inputs, passes_before=before)
+            testing.assert_pass_preserves_semantics(get_pass(p), program, inputs, passes_before=before,
+                                                    rtol=tol, atol=tol)
