@@ -281,6 +281,9 @@ class LLM:
         from .build import ProgramRequest, build, compile_program, plan_kv_cache
 
         options = dict(compiler_config_overrides or {})
+        from .pass_manager import passes_spec_as_json
+
+        self._passes_override = passes_spec_as_json(options.get("passes"))  # recorded in artifacts
         if auto_bfloat16_cast:  # captured in the checkpoint's dtype; the auto_bfloat16_cast pass makes it bf16
             options["auto_bfloat16_cast"] = True
         if embed_all_constants_into_graph:
@@ -325,8 +328,9 @@ class LLM:
             "comp_supertask_kind": self.comp_supertask_kind, "use_blockwise_compile": self.use_blockwise_compile,
             "num_blocks_per_supertask": self.num_blocks_per_supertask,
             "eos_token_ids": sorted(self._eos), "compile_cache_key": self.build_info.get("cache_key"),
+            "passes_override": getattr(self, "_passes_override", None),
         }
-        passes = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in self.pass_history]
+        passes = [dict(h) for h in self.pass_history]  # records are JSON (PassManager enforces it)
         contents = ArtifactContents(self.model_id, self.model_config, self.generation_config, self.tokenizer,
                                     self.pipelines, self._build.params, self.geometry, settings, passes,
                                     source_graphs=getattr(self._build, "source_graphs", {}))
