@@ -30,7 +30,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import fxcompiler.ops.fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul / fxc::rope)
-from fxcompiler.pass_manager import CompileContext, PassResult, register_pass
+from fxcompiler.pass_manager import CompileContext, PassRequirements, PassResult, register_pass
 from fxcompiler.pattern_matcher import PatternMatcherPass, Scalar
 
 aten = torch.ops.aten
@@ -169,6 +169,8 @@ def _activation_key(x):
 
 @register_pass("fuse_projections")
 class FuseProjectionsPass:
+    requires = PassRequirements(after=("weight_layout",))  # it groups the matmuls weight_layout makes
+
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
         graph = gm.graph
         groups: dict[tuple, list[Node]] = {}
@@ -244,6 +246,8 @@ def _heads_of(node, split: Node | None):
 @register_pass("fuse_qkv_attention")
 class FuseQkvAttentionPass:
     """``split(qkv) → view/permute → rope → paged_attention → reshape`` becomes one ``fxc::qkv_paged_attention``."""
+
+    requires = PassRequirements(after=("fuse_projections", "fuse_rope"))  # the split and fxc::rope it consumes
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
         import fxcompiler.ops.paged_attention  # noqa: F401  (defines fxc::qkv_paged_attention)
