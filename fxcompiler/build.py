@@ -168,6 +168,8 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
         if hit is not None:
             gm, ctx = hit
             ctx.options = {**request.options, **pass_services(device)}
+            for h in ctx.history:  # the passes did not run in this build: their time is the stored build's
+                h["cached_seconds"], h["seconds"], h["cache_hit"] = h.get("seconds", 0.0), 0.0, True
             return gm, ctx, {"compile_cache": "hit", "cache_key": key, "export_seconds": 0.0,
                              "seconds": time.perf_counter() - t0}
     instantiate_model(loaded, use_random_weight=request.use_random_weight, dtype=request.dtype, seed=request.seed,

@@ -149,21 +149,48 @@ def cmd_compile(args) -> int:
     from .llm import LLM, CACHE_DIR
 
     overrides = {"dump_dir": args.dump_dir} if args.dump_dir else {}
+    if args.passes_json:
+        overrides["passes"] = _passes_json(args.passes_json)
+    if args.bisect:
+        overrides["bisect"] = True
     t0 = time.perf_counter()
-    llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
-              cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
-              compiler_config_overrides=overrides, **_quant_kwargs(args))
+    from .pass_manager import PassError
+
+    try:
+        llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
+                  cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
+                  compiler_config_overrides=overrides, **_quant_kwargs(args))
+    except PassError as exc:
+        print(f"[fxcompiler] {exc}", file=sys.stderr)
+        return 1
+    if args.bisect:
+        print("bisect: every pass's results match the unoptimised graph's")
     seconds = time.perf_counter() - t0
     blobs = {b for p in llm.pipelines for b in p.blobs}
     print(f"model: {llm.model_id}\npipelines: {len(llm.pipelines)} ({llm.pipelines[0].name} ...)\n"
           f"unique graph blobs: {len(blobs)}\ncompile cache: {llm.build_info['compile_cache']}, capture: {llm.build_info['export_seconds']:.2f}s, "
           f"total {seconds:.2f}s")
     for h in llm.pass_history:
-        extra = {k: v for k, v in h.items() if k not in ("pass", "modified", "seconds")}
-        print(f"  {h['pass']:20s} {h['seconds'] * 1000:8.1f} ms  modified={h['modified']}  {extra}")
+        extra = {k: v for k, v in h.items() if k not in ("pass", "id", "modified", "seconds")}
+        print(f"  {h.get('id', h['pass']):20s} {h['seconds'] * 1000:8.1f} ms  modified={h['modified']}  {extra}")
     if args.dump_dir:
         print(f"dumps: {args.dump_dir}")
     return 0
+
+
+def _passes_json(text: str) -> dict:
+    """``--passes-json``: the ``passes`` override as JSON text, or ``@FILE`` holding it."""
+    import json
+    from pathlib import Path
+
+    from .pass_manager import parse_passes_spec
+
+    if text.startswith("@"):
+        text = Path(text[1:]).read_text()
+    try:
+        return parse_passes_spec(json.loads(text))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--passes-json is not valid JSON: {exc}") from None
 
 
 def _pair(text: str) -> tuple[int, int]:
@@ -189,7 +216,8 @@ def cmd_build(args) -> int:
               use_blockwise_compile=not args.no_blockwise_compile,
               num_blocks_per_supertask=args.num_blocks_per_supertask, param_saved_format=args.param_saved_format,
               cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
-              artifacts_export_path=args.output, **_quant_kwargs(args))
+              artifacts_export_path=args.output, **_quant_kwargs(args),
+              compiler_config_overrides={"passes": _passes_json(args.passes_json)} if args.passes_json else None)
     print(f"artifact: {args.output}\nmodel: {llm.model_id}\npipelines: {len(llm.pipelines)}\n"
           f"compile cache: {llm.build_info['compile_cache']}\nbuilt in {time.perf_counter() - t0:.1f}s")
     return 0
@@ -322,6 +350,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(k)
     k.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (same as --model)")
     k.add_argument("--dump-dir", default=None, help="write before/after code, DOT and op diffs per pass here")
+    k.add_argument("--passes-json", default=None, metavar="JSON|@FILE",
+                   help='the passes override as JSON, e.g. \'{"disable": ["fuse_rope"], "insert": '
+                        '[{"pass": "pkg.mod:my_pass", "after": "dce#2"}]}\'')
+    k.add_argument("--bisect", action="store_true", help="compare every pass's results with the unoptimised "
+                   "graph's and stop at the first pass (and node) that diverges")
     k.set_defaults(func=cmd_compile)
     b = sub.add_parser("build", help="build an artifact directory (load it with LLM.load_artifact)")
     _add_model_args(b)
@@ -338,6 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-blockwise-compile", action="store_true", help="one supertask per pipeline")
     b.add_argument("--num-blocks-per-supertask", type=int, default=1)
     b.add_argument("--param-saved-format", choices=["safetensors", "pt"], default="safetensors")
+    b.add_argument("--passes-json", default=None, metavar="JSON|@FILE", help="the passes override as JSON "
+                   "(recorded in the artifact's settings)")
     b.set_defaults(func=cmd_build)
     i = sub.add_parser("inspect", help="summarise an artifact (manifest, buckets, blobs, sizes)")
     i.add_argument("artifact", metavar="ARTIFACT")

@@ -70,12 +70,30 @@ def _json_default(obj: Any) -> Any:
 
 def options_fingerprint(options: dict[str, Any]) -> str | None:
     """Canonical JSON of the compiler options, or None when they cannot be fingerprinted."""
-    if options.get("dump_dir") or options.get("numeric_check"):
+    if options.get("dump_dir") or options.get("numeric_check") or options.get("bisect") \
+            or os.environ.get("FXCOMPILER_BISECT", "0") not in ("", "0") \
+            or _imports_a_pass(options.get("passes")):
+        # dumps/checks must see the passes run; a "module:attr" pass's source is not fingerprinted
         return None
     try:
         return json.dumps(options, sort_keys=True, default=_json_default)
     except (TypeError, ValueError):
         return None
+
+
+def _imports_a_pass(spec: Any) -> bool:
+    """Whether a passes override names a pass by import path ("module:attribute")."""
+    from .pass_manager import parse_passes_spec
+
+    try:
+        spec = parse_passes_spec(spec)
+    except ValueError:
+        return False
+    for item in spec.get("insert", ()):
+        ref = item.get("pass") if isinstance(item, dict) else item[0] if isinstance(item, (tuple, list)) else item
+        if isinstance(ref, str) and ":" in ref:
+            return True
+    return False
 
 
 def model_files_identity(model_dir: Path) -> list[list]:
@@ -154,7 +172,7 @@ def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext,
         "signature": graph_io.placeholder_signature(gm),
         "param_aliases": aliases, "constant_aliases": const_aliases, "constants": bool(constants),
         "graph_meta": {k: dict(v) for k, v in gm.meta.items() if k == "fxc_constants"},
-        "history": [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in ctx.history],
+        "history": [dict(h) for h in ctx.history],  # records are JSON (PassManager enforces it)
         **(extra or {}),
     }
     (directory / "program.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))

@@ -333,6 +333,9 @@ class LLM:
             **{k: v for k, v in quant_opts.items() if k != "gguf"},
             **({"gguf_sha256": quant_opts["gguf"]["sha256"]} if "gguf" in quant_opts else {})}
         auto_bfloat16_cast = auto_bfloat16_cast or quant_bf16  # W16A16 / W8A16 / W4A16: bf16 activations
+        from .pass_manager import passes_spec_as_json
+
+        self._passes_override = passes_spec_as_json(options.get("passes"))  # recorded in artifacts
         if auto_bfloat16_cast:  # captured in the checkpoint's dtype; the auto_bfloat16_cast pass makes it bf16
             options["auto_bfloat16_cast"] = True
         if embed_all_constants_into_graph:
@@ -445,11 +448,12 @@ class LLM:
             "num_blocks_per_supertask": self.num_blocks_per_supertask,
             "eos_token_ids": sorted(self._eos), "compile_cache_key": self.build_info.get("cache_key"),
             "quantization": getattr(self, "quantization", None),
+            "passes_override": getattr(self, "_passes_override", None),
         }
         from .parallel_artifacts import plan_settings
 
         settings.update(plan_settings(self.__dict__.get("_mppp")))  # the parallel plan (a rank's shard: its rank)
-        passes = [{k: v for k, v in h.items() if isinstance(v, (str, int, float, bool))} for h in self.pass_history]
+        passes = [dict(h) for h in self.pass_history]  # records are JSON (PassManager enforces it)
         contents = ArtifactContents(self.model_id, self.model_config, self.generation_config, self.tokenizer,
                                     self.pipelines, self._build.params, self.geometry, settings, passes,
                                     source_graphs=getattr(self._build, "source_graphs", {}))

@@ -186,6 +186,7 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
             "unique_block_blobs": len(partition.block_blobs)}}
     if options.get("num_blocks_per_pp_stage") is not None:
         extra_meta["num_blocks_per_pp_stage"] = [int(x) for x in options["num_blocks_per_pp_stage"]]
+    _dump_supertask_graphs(options, blobs, compute)
     dims = _dim_symbols(gm, ctx) if partition is not None else {}
     job = _BucketJob(model_name, device, block_size, params, compute, blobs, param_file, extra_meta, user_names,
                      logits_dtype, dims, ctx, partition)
@@ -293,6 +294,30 @@ def _bucket_pipeline(job: _BucketJob, bucket: Bucket, memo: dict) -> Pipeline:
                   "inputs": {s.name: s.target for s in ctx.input_specs if s.kind == "user"},
                   "dynamic_dims": ["num_blocks", "block_table[1] <= bucket attention blocks"], **extra_meta},
     )
+
+
+def _dump_supertask_graphs(options: dict[str, Any], blobs: dict[str, DataBlob], compute: list[SuperTask]) -> None:
+    """With a dump dir (``dump_dir`` / ``FXCOMPILER_DUMP_DIR``): ``supertasks/NN-<part>.py``, the graph of
+    each compute supertask as partitioned (blocks sharing a blob are written once, named by the first)."""
+    import os
+    from pathlib import Path
+
+    root = options.get("dump_dir") or os.environ.get("FXCOMPILER_DUMP_DIR")
+    if not root:
+        return
+    out = Path(root) / "supertasks"
+    out.mkdir(parents=True, exist_ok=True)
+    written: dict[str, str] = {}
+    index = []
+    for i, task in enumerate(compute, 1):
+        label = (task.metadata or {}).get("label") or (task.metadata or {}).get("part") or "graph"
+        name = f"{i:02d}-{''.join(c if c.isalnum() or c in '-_' else '_' for c in str(label))}.py"
+        if task.data_blob not in written:
+            graph = blobs[task.data_blob].graph
+            (out / name).write_text(graph.code if hasattr(graph, "code") else str(graph))
+            written[task.data_blob] = name
+        index.append(f"{i:02d} {label}: inputs {task.inputs} -> outputs {task.outputs}; graph {written[task.data_blob]}")
+    (out / "index.txt").write_text("\n".join(index) + "\n")
 
 
 def _blockwise_partition(gm: torch.fx.GraphModule, ctx: CompileContext, options: dict[str, Any]):

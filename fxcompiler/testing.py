@@ -20,7 +20,7 @@ import torch
 
 from .capture import CapturedProgram, capture
 from .model_zoo import ZOO, zoo_config, zoo_names  # noqa: F401  (tiny configs of 20 architectures)
-from .pass_manager import CompileContext, FunctionPass, Pass
+from .pass_manager import CompileContext, FunctionPass, Pass, check_pass_result
 
 ARCHITECTURES = ("llama", "qwen2", "mistral", "gpt2")
 
@@ -161,10 +161,35 @@ def run_program(gm: torch.fx.GraphModule, ctx: CompileContext, inputs: dict[str,
 _PREPARED: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 
 
-def _run_passes_before(program: CapturedProgram, passes_before: tuple) -> tuple[torch.fx.GraphModule, CompileContext]:
+def default_passes_up_to(anchor: str) -> tuple[Pass, ...]:
+    """The default pipeline's passes that run before ``anchor`` (a pass name, or an id such as
+    ``dce#2``; a pass not in the default list: every default pass), as :func:`get_pass` objects."""
+    from .pass_manager import DEFAULT_PASSES, get_pass, pass_ids
+
+    names = list(DEFAULT_PASSES)
+    ids = pass_ids([type("_N", (), {"name": n})() for n in names])
+    if anchor in ids:
+        stop = ids.index(anchor)
+    elif anchor in names:
+        stop = names.index(anchor)
+    else:
+        if "#" in anchor:
+            raise ValueError(f"{anchor!r} is not a pass id of the default pipeline {ids}")
+        get_pass(anchor)  # an unknown name raises here
+        stop = len(names)
+    return tuple(get_pass(n) for n in names[:stop])
+
+
+def _run_passes_before(program: CapturedProgram, passes_before) -> tuple[torch.fx.GraphModule, CompileContext]:
     """``program`` after ``passes_before`` (a fresh copy). Results are memoised for tiny models
     when every pass is a registered one (``cache_key``), so property tests of late passes do
-    not re-run the whole pipeline in front of them for configs already seen."""
+    not re-run the whole pipeline in front of them for configs already seen.
+    ``passes_before="default-up-to:<pass>"``: the default pipeline in front of that pass."""
+    if isinstance(passes_before, str):
+        prefix = "default-up-to:"
+        if not passes_before.startswith(prefix):
+            raise ValueError(f"passes_before must be a sequence of passes or '{prefix}<pass>', got {passes_before!r}")
+        passes_before = default_passes_up_to(passes_before[len(prefix):])
     passes = [q if isinstance(q, Pass) else FunctionPass(q) for q in passes_before]
     keys = tuple(getattr(q, "cache_key", None) for q in passes)
     tiny = program.info.get("tiny_key")
@@ -177,7 +202,7 @@ def _run_passes_before(program: CapturedProgram, passes_before: tuple) -> tuple[
     ctx = context_of(before)
     gm = before.graph_module
     for q in passes:
-        gm = q(gm, ctx).graph_module
+        gm = check_pass_result(q, q(gm, ctx)).graph_module
         gm.recompile()
     if memo is not None:
         _PREPARED[memo] = (copy.deepcopy(gm), list(ctx.input_specs), dict(ctx.params), ctx.geometry)
@@ -191,15 +216,20 @@ def context_of(program: CapturedProgram) -> CompileContext:
 
 
 def assert_pass_preserves_semantics(p: Pass, program: CapturedProgram, inputs: dict[str, torch.Tensor],
-                                    rtol: float = 1e-9, atol: float = 1e-9, passes_before: tuple = ()) -> dict:
-    """Run ``p`` on a copy of ``program`` (after ``passes_before``) and check that logits and the
-    updated KV caches match the graph before ``p`` on the same inputs. Returns the pass's info."""
+                                    rtol: float = 1e-9, atol: float = 1e-9, passes_before: tuple | str = ()) -> dict:
+    """Run ``p`` on a copy of ``program`` (after ``passes_before``: passes, or
+    ``"default-up-to:<pass>"`` for the default pipeline in front of ``<pass>``, e.g.
+    ``"default-up-to:fuse_rope"`` or ``"default-up-to:dce#2"``) and check that logits and the
+    updated KV caches match the graph before ``p`` on the same inputs. The result must honour
+    the pass contract (a PassResult with JSON info). Returns the pass's info."""
     gm, ctx_before = _run_passes_before(program, passes_before)
     expected = run_program(gm, ctx_before, inputs)
     ctx_after = CompileContext(list(ctx_before.input_specs), dict(ctx_before.params), ctx_before.geometry)
     gm_after = copy.deepcopy(gm)
     p = p if isinstance(p, Pass) else FunctionPass(p)
     result = p(gm_after, ctx_after)
+    info = result.info
+    check_pass_result(p, result)  # the contract LLM(...) enforces: a PassResult with JSON info
     result.graph_module.recompile()
     result.graph_module.graph.lint()
     got = run_program(result.graph_module, ctx_after, inputs)
@@ -208,7 +238,7 @@ def assert_pass_preserves_semantics(p: Pass, program: CapturedProgram, inputs: d
     for name in expected[1]:
         torch.testing.assert_close(got[1][name], expected[1][name], rtol=rtol, atol=atol,
                                    msg=lambda m, name=name: f"pass {p.name!r} changed {name}: {m}")
-    return result.info
+    return info
 
 
 def zoo_architectures(moe: bool | None = None):

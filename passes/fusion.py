@@ -30,7 +30,8 @@ import torch
 from torch.fx import GraphModule, Node
 
 import fxcompiler.ops.fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul / fxc::rope)
-from fxcompiler.pass_manager import CompileContext, PassResult, register_pass
+from fxcompiler.pass_manager import CompileContext, PassRequirements, PassResult, register_pass
+from fxcompiler.pattern_matcher import PatternMatcherPass, Scalar
 
 aten = torch.ops.aten
 
@@ -64,63 +65,37 @@ def _concatenated_param(ctx: CompileContext, gm: GraphModule, placeholders: list
     return ctx.add_param_input(gm, "+".join(names), torch.cat([ctx.param_of(p) for p in placeholders], dim=dim))
 
 
+def _rms_norm(x, w, eps, dim):
+    return x * torch.rsqrt(x.pow(2).mean(dim, keepdim=True) + eps) * w
+
+
+def _rms_norm_ok(m) -> bool:
+    """A float eps, the last dim, a 1-D weight of x's width and dtype (no casts inside the norm)."""
+    xv, wv = m.val("x"), m.val("w")
+    return xv is not None and wv is not None and isinstance(m["eps"], float) and m["dim"] in (-1, xv.dim() - 1) \
+        and wv.dim() == 1 and wv.shape[0] == xv.shape[-1] and wv.dtype == xv.dtype
+
+
 @register_pass("fuse_rms_norm")
-class FuseRmsNormPass:
-    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
-        graph, fused = gm.graph, 0
-        for rsqrt in [n for n in graph.nodes if _is(n, aten.rsqrt.default)]:
-            add = rsqrt.args[0]
-            if not _is(add, aten.add.Tensor) or not isinstance(add.args[1], float):
-                continue
-            mean = add.args[0]
-            if not _is(mean, aten.mean.dim) or len(mean.args) < 3 or mean.args[2] is not True:
-                continue
-            pow_ = mean.args[0]
-            if not _is(pow_, aten.pow.Tensor_Scalar) or pow_.args[1] != 2:
-                continue
-            x = pow_.args[0]
-            xv = _val(x)
-            if xv is None or list(mean.args[1]) not in ([-1], [xv.dim() - 1]):
-                continue
-            muls = [u for u in rsqrt.users if _is(u, aten.mul.Tensor) and x in u.args]
-            if len(rsqrt.users) != 1 or len(muls) != 1 or len(muls[0].users) != 1:
-                continue
-            norm = muls[0]
-            scale = next(iter(norm.users))
-            if not _is(scale, aten.mul.Tensor):
-                continue
-            w = scale.args[0] if scale.args[1] is norm else scale.args[1]
-            wv = _val(w)
-            if wv is None or wv.dim() != 1 or wv.shape[0] != xv.shape[-1] or wv.dtype != xv.dtype \
-                    or any(len(n.users) != 1 for n in (pow_, mean, add)):
-                continue
-            _replace_with_call(graph, scale, torch.ops.fxc.rms_norm.default, (x, w, float(add.args[1])))
-            for n in (scale, norm, rsqrt, add, mean, pow_):
-                graph.erase_node(n)
-            fused += 1
-        return PassResult(gm, fused > 0, {"fused": fused})
+class FuseRmsNormPass(PatternMatcherPass):
+    def __init__(self):
+        super().__init__("fuse_rms_norm", count_key="fused")
+        self.register_replacement(_rms_norm, lambda x, w, eps, dim: torch.ops.fxc.rms_norm(x, w, eps),
+                                  [torch.empty(2, 8), torch.empty(8), Scalar("eps"), Scalar("dim", -1)], _rms_norm_ok)
+
+
+def _same_shape_and_dtype(m) -> bool:
+    gv, uv = m.val("gate"), m.val("up")
+    return gv is not None and uv is not None and tuple(gv.shape) == tuple(uv.shape) and gv.dtype == uv.dtype
 
 
 @register_pass("fuse_silu_mul")
-class FuseSiluMulPass:
-    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
-        graph, fused = gm.graph, 0
-        for silu in [n for n in graph.nodes if _is(n, aten.silu.default)]:
-            if len(silu.users) != 1:
-                continue
-            mul = next(iter(silu.users))
-            if not _is(mul, aten.mul.Tensor) or len(mul.args) != 2:
-                continue
-            up = mul.args[1] if mul.args[0] is silu else mul.args[0]
-            sv, uv = _val(silu), _val(up)
-            if not isinstance(up, Node) or sv is None or uv is None or tuple(sv.shape) != tuple(uv.shape) \
-                    or sv.dtype != uv.dtype:
-                continue
-            _replace_with_call(graph, mul, torch.ops.fxc.silu_mul.default, (silu.args[0], up))
-            graph.erase_node(mul)
-            graph.erase_node(silu)
-            fused += 1
-        return PassResult(gm, fused > 0, {"fused": fused})
+class FuseSiluMulPass(PatternMatcherPass):
+    def __init__(self):
+        super().__init__("fuse_silu_mul", count_key="fused")
+        self.register_replacement(lambda gate, up: torch.nn.functional.silu(gate) * up,
+                                  lambda gate, up: torch.ops.fxc.silu_mul(gate, up),
+                                  [torch.empty(2, 8), torch.empty(2, 8)], _same_shape_and_dtype, name="silu_mul")
 
 
 def _rotate_half_of(cat: Node) -> Node | None:
@@ -194,6 +169,8 @@ def _activation_key(x):
 
 @register_pass("fuse_projections")
 class FuseProjectionsPass:
+    requires = PassRequirements(after=("weight_layout",))  # it groups the matmuls weight_layout makes
+
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
         graph = gm.graph
         groups: dict[tuple, list[Node]] = {}
@@ -269,6 +246,8 @@ def _heads_of(node, split: Node | None):
 @register_pass("fuse_qkv_attention")
 class FuseQkvAttentionPass:
     """``split(qkv) → view/permute → rope → paged_attention → reshape`` becomes one ``fxc::qkv_paged_attention``."""
+
+    requires = PassRequirements(after=("fuse_projections", "fuse_rope"))  # the split and fxc::rope it consumes
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
         import fxcompiler.ops.paged_attention  # noqa: F401  (defines fxc::qkv_paged_attention)

@@ -59,7 +59,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from fxcompiler.ops.linear import LinearKernelTuner, pack_linear_weight
-from fxcompiler.pass_manager import CompileContext, PassResult, register_pass
+from fxcompiler.pass_manager import CompileContext, PassRequirements, PassResult, register_pass
 
 aten = torch.ops.aten
 log = logging.getLogger("fxcompiler.passes")
@@ -177,6 +177,8 @@ def _match(node: Node, ctx: CompileContext) -> _Site | None:
 
 @register_pass("lower_cpu_kernels")
 class LowerCpuKernelsPass:
+    requires = PassRequirements(after=("weight_layout", "fuse_projections"))  # the matmul forms they leave
+
     def __init__(self, force: bool = False, tuner: LinearKernelTuner | None = None,
                  ms: tuple[int, ...] = (1, 16, 64, 256), decode_weight: float = 0.5, min_speedup: float = 1.0,
                  per_m_range: bool = True, range_margin: float = 1.1, max_dual_fraction: float = 0.25):

@@ -13,6 +13,7 @@ import pytest
 
 from fxcompiler import LLM, ManualBucketConfig, SamplingParams
 from fxcompiler.artifacts import ArtifactError
+from fxcompiler.pass_manager import DEFAULT_PASSES
 
 from .conftest import save_tiny_model
 
@@ -200,11 +201,19 @@ def test_cli_build_and_inspect(llama, tmp_path):
     out = tmp_path / "artifact"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     cmd = [sys.executable, "-m", "fxcompiler.cli"]
+    spec = {"disable": ["cse"], "insert": [{"pass": "examples.count_matmul_flops:count_matmul_flops",
+                                              "after": "fuse_projections"}]}
+    (tmp_path / "passes.json").write_text(json.dumps(spec))
     proc = subprocess.run(cmd + ["build", str(llama), str(out), "-pb", "1,32", "-db", "2,64",
-                                 "--max-seq-len-to-capture", "64", "--num-blocks-per-supertask", "2"],
+                                 "--max-seq-len-to-capture", "64", "--num-blocks-per-supertask", "2",
+                                 "--passes-json", f"@{tmp_path / 'passes.json'}"],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "pipelines: 2" in proc.stdout
+    manifest = json.loads((out / "artifact.json").read_text())  # the artifact records the passes override
+    assert manifest["settings"]["passes_override"] == spec
+    assert "cse" not in [p["pass"] for p in manifest["passes"]] and len(manifest["passes"]) == len(DEFAULT_PASSES)
+    assert next(p for p in manifest["passes"] if p["pass"] == "count_matmul_flops")["per_layer"]["layer0"] > 0
     dot = tmp_path / "decode.dot"
     proc = subprocess.run(cmd + ["inspect", str(out), "--verify", "--dot", str(dot)], capture_output=True, text=True,
                           cwd=ROOT, env=env, timeout=300)

@@ -17,8 +17,21 @@ def test_dump_dir_writes_one_dump_per_pass(tiny_models, tmp_path):
     assert [s["pass"] for s in summary] == list(DEFAULT_PASSES)
     for s in summary:
         stem = f"{s['index']:02d}-{s['pass']}"
-        for suffix in (".before.py", ".after.py", ".after.dot", ".diff.txt"):
+        for suffix in (".before.py", ".after.py", ".after.dot", ".diff.txt", ".code.diff"):
             assert (tmp_path / (stem + suffix)).is_file()
+    # the textual code diff of a pass: what it removed and what it put in its place
+    norm = next(s for s in summary if s["pass"] == "fuse_rms_norm")
+    code = (tmp_path / f"{norm['index']:02d}-fuse_rms_norm.code.diff").read_text().splitlines()
+    assert code[0].startswith("--- ") and code[1].startswith("+++ ")
+    assert any(line.startswith("-") and "aten.rsqrt" in line for line in code)
+    assert any(line.startswith("+") and "fxc.rms_norm" in line for line in code)
+    assert not any("fxc.rms_norm" in line for line in code if line.startswith("-"))
+    # the partitioned supertask graphs: embedding, one per block (identical blocks share one file), head
+    index = (tmp_path / "supertasks" / "index.txt").read_text().splitlines()
+    assert len(index) == 4 and all(" -> outputs " in line for line in index)
+    files = sorted((tmp_path / "supertasks").glob("*.py"))
+    assert len(files) == 3 and all("def forward" in f.read_text() for f in files)
+    assert sum("qkv_paged_attention" in f.read_text() for f in files) == 1
     layout = next(s for s in summary if s["pass"] == "weight_layout")
     diff = (tmp_path / f"{layout['index']:02d}-weight_layout.diff.txt").read_text()
     assert "aten.linear.default" in diff and "aten.matmul.default" in diff
