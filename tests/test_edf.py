@@ -252,7 +252,9 @@ def test_llm_edf_generation_artifact_and_torch_mismatch(built, tmp_path, caplog)
     expected = [o.outputs[0].token_ids for o in fx.generate(None, sp, prompt_token_ids=prompts)]
     edf = LLM(str(model_dir), cache_dir=cache_dir, comp_supertask_kind="edf", artifacts_export_path=tmp_path / "a",
               **kw)  # the packages of the module fixture are cache hits: nothing compiles
-    assert len(list((Path(cache_dir) / "edf").glob("*"))) == 3  # (the program and its pipelines are cache hits too)
+    edf_dir = Path(cache_dir) / "edf"  # (the program and its pipelines are cache hits too)
+    assert len(list(edf_dir.glob("*.pt2"))) == 3
+    assert sorted(edf_dir.glob("*")) == sorted([*edf_dir.glob("*.pt2"), *edf_dir.glob("*.pt2.sha256")])  # + checksums
     assert {b.kind for p in edf.pipelines for b in p.blobs.values()} == {"edf"}
     assert [o.outputs[0].token_ids for o in edf.generate(None, sp, prompt_token_ids=prompts)] == expected
     loaded = LLM.load_artifact(tmp_path / "a", cache_dir=cache_dir)
@@ -289,7 +291,9 @@ def test_llm_edf_num_compile_workers_compiles_in_parallel(built, tmp_path, caplo
     stats = next(r.args for r in caplog.records if r.getMessage().startswith("edf: "))  # the logged dict
     assert stats["compiled"] == 3 and stats["workers"] == 2 and stats.get("cached", 0) == 0, stats
     packages = sorted(p.name for p in (cache / "edf").glob("*"))
-    assert packages == sorted(p.name for p in (Path(serial_cache) / "edf").glob("*.pt2"))  # no temporaries left
+    # the same packages and their checksums, no temporaries left
+    assert packages == sorted(p.name for p in (Path(serial_cache) / "edf").glob("*"))
+    assert len([p for p in packages if p.endswith(".pt2")]) == 3
     assert [o.outputs[0].token_ids for o in edf.generate(None, sp, prompt_token_ids=prompts)] == expected
 
 
