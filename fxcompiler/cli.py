@@ -304,7 +304,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--artifact", default=None, help="load this artifact directory instead of building --model")
     c.set_defaults(func=cmd_chat)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (docs/serving.md)")
+    from .serving.cli_args import add_serve_args
+
+    add_serve_args(s)
+    s.add_argument("-v", "--verbose", action="store_true")
+    s.set_defaults(func=cmd_serve)
     return parser
+
+
+def cmd_serve(args) -> int:
+    from .serving.api_server import run_server
+
+    return run_server(args)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -407,6 +407,8 @@ class Engine:
             cut = text.find(seq.stop_reason)
             if cut >= 0:
                 text = text[: cut + (len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0)]
+        elif seq.params.stop and not seq.is_finished and not seq.params.include_stop_str_in_output:
+            text = text[: len(text) - _stop_prefix_len(text, seq.params.stop)]  # may be the start of a stop string
         return text
 
     def _beam_output(self, st: RequestState) -> RequestOutput:
@@ -461,3 +463,15 @@ class Engine:
         prompt_lp = st.seqs[0].prompt_logprobs
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, finished,
                              prompt_logprobs=list(prompt_lp) if prompt_lp is not None else None)
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string (held back while
+    streaming: emitted text must never have to be taken back when the stop string completes)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best
