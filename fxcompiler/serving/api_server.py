@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import json
 import logging
+import signal
 import time
 import uuid
 from typing import Any, AsyncIterator
@@ -25,7 +26,9 @@ from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind
 from .engine import AsyncLLMEngine, EngineDeadError, LLMEngine
 from .metrics import ServerMetrics
+from ..guided_decoding import GuidedDecodingParams
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, message_dicts
+from .tool_parsers import calls_from_forced, check_tools, forced_schema, parse_tool_calls
 
 log = logging.getLogger("fxcompiler.serving")
 
@@ -34,7 +37,8 @@ def _error(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
-def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name: str | None = None) -> FastAPI:
+def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (one model)."""
     from .. import __version__
 
@@ -100,7 +104,9 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
                 try:
                     llm_engine.process_prompt(p, stream_params, tokenizer_kwargs)  # raises before anything runs
                 except (ValueError, TypeError) as exc:
-                    raise OpenAIError(str(exc), param="prompt") from None
+                    raise OpenAIError(str(exc), param="prompt" if "prompt" in str(exc) else None) from None
+                except NotImplementedError as exc:
+                    raise OpenAIError(str(exc), 501, "NotImplementedError") from None
                 gens.append((rid, engine.generate(p, stream_params, rid, tokenizer_kwargs=tokenizer_kwargs)))
         except EngineDeadError as exc:
             raise OpenAIError(str(exc), 503, "ServiceUnavailableError") from None
@@ -114,6 +120,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
             try:
                 async for out in gen:
                     await queue.put((i, out, None))
+            except asyncio.CancelledError:
+                raise
             except BaseException as exc:  # noqa: BLE001 - handed to the consumer
                 await queue.put((i, None, exc))
                 return
@@ -132,9 +140,10 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
                 yield i, out
         finally:
             for t in tasks:
-                t.cancel()
+                t.cancel()  # the CancelledError runs each generator's finally: its request is aborted
+            await asyncio.gather(*tasks, return_exceptions=True)
             for _, g in gens:
-                await g.aclose()
+                await g.aclose()  # generators that never started
 
     async def until_disconnect(request: Request, coro):
         """Run ``coro``; cancel it (aborting its requests) if the client goes away first."""
@@ -261,17 +270,29 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         check_model(req.model)
         if tokenizer is None:
             raise OpenAIError("this model has no tokenizer/chat template", 400)
-        if req.tools and req.tool_choice not in (None, "none"):
-            raise OpenAIError("tool calls are not implemented yet by this server (use tool_choice='none')", 501,
-                              "NotImplementedError", "tools")
-        for t in req.tools or ():
-            if t.get("type") != "function" or not isinstance(t.get("function"), dict) \
-                    or not isinstance(t["function"].get("name"), str):
-                raise OpenAIError("each tool must be {type: 'function', function: {name, ...}}", param="tools")
+        try:
+            functions = check_tools(req.tools, req.tool_choice)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="tools") from None
+        tool_choice = req.tool_choice
+        if tool_choice is None:
+            tool_choice = "auto" if functions and tool_call_parser else "none"
+        if tool_choice == "auto" and not tool_call_parser:
+            raise OpenAIError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+                              "--tool-call-parser", param="tool_choice")
+        forced = forced_schema(functions, tool_choice) if functions else None
+        if forced is not None and req.response_format is not None:
+            raise OpenAIError("response_format cannot be combined with a forced tool_choice", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         params = req.sampling_params(defaults, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        if forced is not None:
+            try:
+                params.guided_decoding = GuidedDecodingParams(json=forced)
+            except (ValueError, TypeError) as exc:
+                raise OpenAIError(str(exc), param="tools") from None
+        tools_mode = "none" if tool_choice == "none" or not functions else ("forced" if forced else "auto")
         try:
             prompt = tokenizer.apply_chat_template(message_dicts(req.messages), tokenize=False,
                                                    add_generation_prompt=req.add_generation_prompt,
@@ -284,10 +305,30 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(stream_chat(gens, rid, created, req), media_type="text/event-stream")
-        return await until_disconnect(request, full_chat(gens, rid, created, req))
+            return StreamingResponse(stream_chat(gens, rid, created, req, tools_mode, tool_choice),
+                                     media_type="text/event-stream")
+        return await until_disconnect(request, full_chat(gens, rid, created, req, tools_mode, tool_choice))
 
-    async def full_chat(gens, rid, created, req):
+    def tool_message(text: str, finish: str | None, tools_mode: str, tool_choice) -> tuple[dict, str | None]:
+        """The assistant message of one choice (tool calls parsed out when tools are on), its finish reason."""
+        calls: list = []
+        content: str | None = text
+        if tools_mode == "forced" and finish == "stop":
+            try:
+                calls = calls_from_forced(text, tool_choice)
+                content = None
+            except (ValueError, KeyError, TypeError):  # cut short: the text stays content
+                calls = []
+        elif tools_mode == "auto":
+            content, calls = parse_tool_calls(tool_call_parser, text)
+            content = content or None
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+            return message, "tool_calls"
+        return message, _finish(finish)
+
+    async def full_chat(gens, rid, created, req, tools_mode="none", tool_choice=None):
         from ..outputs import CompletionOutput
 
         acc: dict[int, dict] = {}
@@ -300,28 +341,41 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
                 a["ids"] += c.token_ids
                 a["lps"] += c.logprobs or []
                 a["finish"] = c.finish_reason or a["finish"]
-        choices = [{"index": j, "message": {"role": "assistant", "content": a["text"]},
-                    "finish_reason": _finish(a["finish"]),
-                    "logprobs": logprobs_chat(CompletionOutput(j, a["text"], a["ids"], logprobs=a["lps"]),
-                                              req.top_logprobs or 0) if req.logprobs else None}
-                   for j, a in sorted(acc.items())]
+        choices = []
+        for j, a in sorted(acc.items()):
+            message, finish = tool_message(a["text"], a["finish"], tools_mode, tool_choice)
+            choices.append({"index": j, "message": message, "finish_reason": finish,
+                            "logprobs": logprobs_chat(CompletionOutput(j, a["text"], a["ids"], logprobs=a["lps"]),
+                                                      req.top_logprobs or 0) if req.logprobs else None})
         completion = sum(len(a["ids"]) for a in acc.values())
         return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
                 "usage": {"prompt_tokens": ptoks, "completion_tokens": completion,
                           "total_tokens": ptoks + completion}}
 
-    async def stream_chat(gens, rid, created, req):
+    async def stream_chat(gens, rid, created, req, tools_mode="none", tool_choice=None):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
         for j in range(req.n):
             yield "data: " + json.dumps({**head, "choices": [{"index": j, "delta": {"role": "assistant",
                                                                                      "content": ""},
                                                               "finish_reason": None, "logprobs": None}]}) + "\n\n"
         ptoks, completion = 0, 0
+        held: dict[int, str] = {}
         try:
             async for _, out in merged(gens):
                 ptoks = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion += len(c.token_ids)
+                    if tools_mode != "none":  # tool calls are parsed from the whole text: sent when it ends
+                        held[c.index] = held.get(c.index, "") + c.text
+                        if c.finish_reason is None:
+                            continue
+                        message, finish = tool_message(held.pop(c.index), c.finish_reason, tools_mode, tool_choice)
+                        delta = {"content": message["content"]} if message["content"] else {}
+                        if "tool_calls" in message:
+                            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(message["tool_calls"])]
+                        choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                        yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
+                        continue
                     if not c.text and c.finish_reason is None:
                         continue
                     choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
@@ -349,14 +403,26 @@ def run_server(args: argparse.Namespace) -> int:
     """Build the engine, serve until SIGINT/SIGTERM (uvicorn stops accepting, finishes, then the engine stops)."""
     import uvicorn
 
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     engine_args = EngineArgs.from_cli_args(args)
     aeng = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
-    app = build_app(aeng, api_key=args.api_key, model_name=engine_args.model_name)
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    app = build_app(aeng, api_key=args.api_key, model_name=engine_args.model_name, tool_call_parser=parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)  # installs SIGINT/SIGTERM handlers: graceful shutdown
+    stopped_by: list[int] = []
+    # uvicorn re-raises the signal it caught once it has shut down, to the handlers found at start:
+    # these record it, so that a graceful stop exits 0 after the engine has shut down too.
+    previous = {sig: signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         server.run()
     finally:
         aeng.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped_by:
+        log.warning("stopped by signal %d after a graceful shutdown", stopped_by[0])
     return 0

@@ -56,6 +56,10 @@ class ServerMetrics:
                              buckets=_E2E_BUCKETS, registry=self.registry)
         self.success = Counter("fxcompiler:request_success_total", "Finished requests by finish reason.",
                                lab + ["finished_reason"], registry=self.registry)
+        for h in (self.ttft, self.tpot, self.e2e):
+            h.labels(self.model)  # exported (empty) from the start
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(self.model, reason)
 
     def observe(self, m: RequestMetrics) -> None:
         """Called once per request when its stream ends (finished or aborted)."""

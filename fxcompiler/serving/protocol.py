@@ -5,6 +5,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..guided_decoding import GuidedDecodingParams
 from ..sampling_params import SamplingParams
 
 
@@ -49,6 +50,10 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     user: str | None = None
     response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's extra structured-output fields
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None
                         ) -> SamplingParams:
@@ -59,10 +64,7 @@ class _Common(BaseModel):
 
         if self.stream_options is not None and not self.stream:
             raise OpenAIError("stream_options is only allowed with stream=true", param="stream_options")
-        if self.response_format is not None and self.response_format.get("type", "text") != "text":
-            raise OpenAIError(f"response_format type {self.response_format.get('type')!r} (structured output) is "
-                              "not implemented yet by this server", status=501, type_="NotImplementedError",
-                              param="response_format")
+        guided = self.guided_decoding()
         bias = None
         if self.logit_bias:
             try:
@@ -77,9 +79,42 @@ class _Common(BaseModel):
                 logit_bias=bias, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
                 stop_token_ids=self.stop_token_ids, seed=self.seed, ignore_eos=self.ignore_eos,
                 skip_special_tokens=self.skip_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs)
+                include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+                guided_decoding=guided)
         except (ValueError, TypeError) as exc:
             raise OpenAIError(str(exc)) from None
+        except NotImplementedError as exc:
+            raise OpenAIError(str(exc), 501, "NotImplementedError") from None
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """``response_format`` (json_object / json_schema) or vLLM's ``guided_*`` fields as one constraint."""
+        rf = self.response_format
+        chosen: dict[str, Any] = {}
+        if rf is not None:
+            kind = rf.get("type", "text")
+            if kind == "json_object":
+                chosen["json_object"] = True
+            elif kind == "json_schema":
+                spec = rf.get("json_schema")
+                schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise OpenAIError("response_format json_schema needs json_schema.schema (a JSON schema object)",
+                                      param="response_format")
+                chosen["json"] = schema
+            elif kind != "text":
+                raise OpenAIError(f"response_format type must be text, json_object or json_schema, got {kind!r}",
+                                  param="response_format")
+        for name, field_ in (("json", "guided_json"), ("regex", "guided_regex"), ("choice", "guided_choice"),
+                             ("grammar", "guided_grammar")):
+            value = getattr(self, field_)
+            if value is not None:
+                chosen[name] = value
+        if not chosen:
+            return None
+        try:
+            return GuidedDecodingParams(**chosen)
+        except (ValueError, TypeError) as exc:
+            raise OpenAIError(str(exc), param="response_format") from None
 
 
 class CompletionRequest(_Common):
