@@ -280,7 +280,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         if tool_choice == "auto" and not tool_call_parser:
             raise OpenAIError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
                               "--tool-call-parser", param="tool_choice")
-        forced = forced_schema(functions, tool_choice) if functions else None
+        forced = forced_schema(functions, tool_choice, req.parallel_tool_calls) if functions else None
         if forced is not None and req.response_format is not None:
             raise OpenAIError("response_format cannot be combined with a forced tool_choice", param="response_format")
         if req.top_logprobs is not None and not req.logprobs:

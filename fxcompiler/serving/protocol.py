@@ -138,6 +138,7 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
     chat_template: str | None = None
 

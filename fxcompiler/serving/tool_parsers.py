@@ -128,12 +128,13 @@ def check_tools(tools: Any, tool_choice: Any) -> dict[str, dict]:
     return out
 
 
-def forced_schema(functions: dict[str, dict], tool_choice: Any) -> dict | None:
-    """The JSON schema the output must follow for ``required`` / a named function (else None)."""
+def forced_schema(functions: dict[str, dict], tool_choice: Any, parallel: bool = True) -> dict | None:
+    """The JSON schema the output must follow for ``required`` / a named function (else None);
+    ``parallel=False`` (OpenAI's ``parallel_tool_calls``): at most one call."""
     if isinstance(tool_choice, dict):
         return functions[tool_choice["function"]["name"]]
     if tool_choice == "required":
-        return {"type": "array", "minItems": 1, "items": {"anyOf": [
+        return {"type": "array", "minItems": 1, **({} if parallel else {"maxItems": 1}), "items": {"anyOf": [
             {"type": "object", "properties": {"name": {"const": n}, "parameters": p},
              "required": ["name", "parameters"], "additionalProperties": False} for n, p in functions.items()]}}
     return None

@@ -222,20 +222,21 @@ def test_tools(client):
     assert call.type == "function" and call.function.name == "get_weather" and call.id
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
     req = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, tool_choice="required",
-                                         max_tokens=100, temperature=1.0, seed=2)
+                                         parallel_tool_calls=False, max_tokens=100, temperature=1.0, seed=2)
     calls = req.choices[0].message.tool_calls
-    assert req.choices[0].finish_reason == "tool_calls" and calls
+    assert req.choices[0].finish_reason == "tool_calls" and len(calls) == 1
     for call in calls:
         schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
         jsonschema.validate(json.loads(call.function.arguments), schema)
     # auto + the hermes parser: the output (forced into hermes' shape here) becomes tool calls
     hermes = r'<tool_call>\{"name": "get_weather", "arguments": \{"city": "[a-z]{1,6}", "days": [1-7]\}\}</tool_call>'
-    auto = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=60, temperature=0,
+    auto = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=100, temperature=0,
                                           extra_body={"guided_regex": hermes})
+    assert auto.choices[0].message.tool_calls, auto.choices[0]
     (call,) = auto.choices[0].message.tool_calls
     assert auto.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
-    chunks = list(client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=60,
+    chunks = list(client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=100,
                                                  temperature=0, stream=True, extra_body={"guided_regex": hermes}))
     streamed = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or ())]
     assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [

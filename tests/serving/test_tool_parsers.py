@@ -51,7 +51,8 @@ def test_check_tools_and_forced_schemas():
     assert forced_schema(functions, named) == functions["add"]
     assert forced_schema(functions, "auto") is None
     req = forced_schema(functions, "required")
-    assert req["type"] == "array" and len(req["items"]["anyOf"]) == 2
+    assert req["type"] == "array" and len(req["items"]["anyOf"]) == 2 and "maxItems" not in req
+    assert forced_schema(functions, "required", parallel=False)["maxItems"] == 1
     assert [(c.name, c.arguments) for c in calls_from_forced('{"a": 1}', named)] == [("add", '{"a": 1}')]
     calls = calls_from_forced('[{"name": "now", "parameters": {}}, {"name": "add", "parameters": {"a": 2}}]',
                               "required")
