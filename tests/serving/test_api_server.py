@@ -358,3 +358,23 @@ def test_concurrent_streams_and_disconnects(server):
     r = httpx.post(server.base_url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
                    json={"model": NAME, "prompt": "hi", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and json.loads(r.text)["choices"]
+
+
+def test_bench_serve(server, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "bench.json"
+    proc = subprocess.run([sys.executable, "-m", "fxcompiler.cli", "bench", "serve", "--base-url", server.base_url,
+                           "--api-key", KEY, "--num-prompts", "12", "--max-concurrency", "4", "--request-rate", "50",
+                           "--input-len", "8", "--output-len", "6", "--no-progress", "--result-json", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    res = json.loads(out.read_text())
+    assert res["completed"] == 12 and res["failed"] == 0
+    assert res["output_throughput"] > 0 and res["request_throughput"] > 0
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        d = res[name]
+        assert 0 < d["p50"] <= d["p90"] <= d["p99"], (name, d)
+    assert res["ttft_ms"]["p99"] <= res["e2e_ms"]["p99"]
+    assert "TTFT" in proc.stdout and "p99" in proc.stdout
