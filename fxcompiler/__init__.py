@@ -13,6 +13,7 @@ _EXPORTS = {
     "LLM": "fxcompiler.llm",
     "SamplingParams": "fxcompiler.sampling_params",
     "RequestOutputKind": "fxcompiler.sampling_params",
+    "GuidedDecodingParams": "fxcompiler.guided_decoding",
     "RequestOutput": "fxcompiler.outputs",
     "CompletionOutput": "fxcompiler.outputs",
     "Logprob": "fxcompiler.outputs",

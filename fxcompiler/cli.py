@@ -408,7 +408,33 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--check", default=None, metavar="FILE", help="exit 1 when FILE's table differs")
     m.add_argument("-v", "--verbose", action="store_true")
     m.set_defaults(func=cmd_models)
+    s = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (docs/serving.md)")
+    from .serving.cli_args import add_serve_args
+
+    add_serve_args(s)
+    s.add_argument("-v", "--verbose", action="store_true")
+    s.set_defaults(func=cmd_serve)
+    bn = sub.add_parser("bench", help="benchmarks against a running server")
+    bsub = bn.add_subparsers(dest="bench_command", required=True)
+    bs = bsub.add_parser("serve", help="open-loop client: TTFT/TPOT/ITL/latency percentiles, throughput")
+    from .serving.bench import add_bench_serve_args
+
+    add_bench_serve_args(bs)
+    bs.add_argument("-v", "--verbose", action="store_true")
+    bs.set_defaults(func=cmd_bench_serve)
     return parser
+
+
+def cmd_bench_serve(args) -> int:
+    from .serving.bench import run_bench_serve
+
+    return run_bench_serve(args)
+
+
+def cmd_serve(args) -> int:
+    from .serving.api_server import run_server
+
+    return run_server(args)
 
 
 def cmd_models(args) -> int:

@@ -733,6 +733,11 @@ class LLM:
             raise
         loop = asyncio.get_running_loop()
         done = False
+        # n > 1: every completion is yielded, one after another: completion i streams live once
+        # completions < i have finished; the deltas of later ones wait in `held` until then.
+        held: dict[int, list[str]] = {}
+        ended: set[int] = set()
+        current = 0
         try:
             while not done:
                 pending = self._pending.pop(rid, [])
@@ -743,16 +748,31 @@ class LLM:
                     if out.error is not None:
                         done = True  # failed: nothing left to abort
                         raise out.error
-                    delta = out.outputs[0].text
-                    if delta:
-                        yield delta
+                    for c in out.outputs:
+                        if c.text:
+                            held.setdefault(c.index, []).append(c.text)
+                        if c.finish_reason is not None:
+                            ended.add(c.index)
                     done = done or out.finished
+                    while True:
+                        for delta in held.pop(current, ()):
+                            yield delta
+                        if current not in ended and not done:
+                            break
+                        if not held or current >= max(held):
+                            break
+                        current += 1
         finally:
             self._live.discard(rid)
             if not done and not getattr(self, "_shut_down", False):
                 with self._lock:
                     engine.abort_request(rid)
             self._pending.pop(rid, None)
+
+    @classmethod
+    def from_engine_args(cls, engine_args) -> "LLM":
+        """Build (or load, for an artifact directory) the LLM a :class:`fxcompiler.engine_args.EngineArgs` describes."""
+        return engine_args.create_llm()
 
     # -- artifacts ---------------------------------------------------------------------------------
     @classmethod

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
+from .guided_decoding import GuidedDecodingParams
+
 __all__ = ["RequestOutputKind", "SamplingType", "SamplingParams", "SAMPLING_EPS"]
 
 # Temperatures below this are treated as greedy decoding (vLLM convention).
@@ -97,6 +99,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    guided_decoding: GuidedDecodingParams | None = None  # structured output (docs/serving.md)
 
     # ------------------------------------------------------------------ init
     def __post_init__(self) -> None:
@@ -213,6 +216,12 @@ class SamplingParams:
 
     def _verify_args(self) -> None:
         """Range checks; every message names the field and the allowed range."""
+        if self.guided_decoding is not None:
+            if not isinstance(self.guided_decoding, GuidedDecodingParams):
+                raise TypeError(f"guided_decoding must be a GuidedDecodingParams or None, "
+                                f"got {type(self.guided_decoding).__name__}")
+            if self.use_beam_search:
+                raise NotImplementedError("guided_decoding with use_beam_search: beams share no grammar state yet")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}.")
         if self.best_of < self.n:

@@ -86,6 +86,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, scheduler: Scheduler, tokenizer: Any, eos_token_ids: frozenset[int],
                  max_context: int, sampler: Sampler | None = None, vocab_size: int | None = None):
         self.vocab_size = vocab_size  # token ids are checked against it at add_request (None: not checked)
+        self._grammars = None  # structured output: runtime.structured_output.GrammarCompiler, on first use
         self.runner = runner
         self.scheduler = scheduler
         self.sampler = sampler or Sampler()
@@ -118,6 +119,8 @@ class Engine:
         eos = frozenset() if params.ignore_eos else self.eos_token_ids
         seq = Sequence(request_id, index, prompt_token_ids, params, next(self._arrival), eos_token_ids=eos,
                        generator=generator, prompt=prompt, logprobs=[] if params.logprobs is not None else None)
+        if params.guided_decoding is not None:
+            seq.grammar = self.grammars().new_state(params.guided_decoding)
         if self.tokenizer is not None:
             seq.detokenizer = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids,
                                                      skip_special_tokens=params.skip_special_tokens)
@@ -149,7 +152,10 @@ class Engine:
         self.scheduler.add(seq)
 
     def check_params(self, params: SamplingParams) -> None:
-        """Rules that depend on the engine (``kv_cache_sharing_across_beams_config``); ValueError."""
+        """Rules that depend on the engine (``kv_cache_sharing_across_beams_config``, a guided_decoding
+        grammar that compiles for this tokenizer); ValueError."""
+        if params.guided_decoding is not None:
+            self.grammars().grammar(params.guided_decoding)
         cfg = self.beam_sharing
         if cfg is None:
             return
@@ -162,6 +168,15 @@ class Engine:
         if params.max_tokens is None or params.max_tokens > cfg.max_new_tokens:
             raise ValueError(f"kv_cache_sharing_across_beams_config.max_new_tokens={cfg.max_new_tokens}: max_tokens "
                              f"must be at most that, got {params.max_tokens}")
+
+    def grammars(self):
+        """The structured-output grammar compiler of this engine's tokenizer (built on first use)."""
+        if self._grammars is None:
+            from .structured_output import GrammarCompiler
+
+            vocab = self.vocab_size if self.vocab_size is not None else len(self.tokenizer)
+            self._grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        return self._grammars
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -232,11 +247,17 @@ class Engine:
             return [o for st in touched.values() if (o := self._make_output(st)) is not None]
         if rows != list(range(logits.shape[0])):
             logits = logits[torch.tensor(rows, device=logits.device)]
+        if any(s.grammar is not None for s in seqs):
+            from .structured_output import mask_logits
+
+            logits = mask_logits(logits, seqs)  # constrained rows only
         out = self.sampler(logits, seqs)
         self.stats.generated_tokens += len(seqs)
         want_top = out.top_logprobs
         for i, (seq, token) in enumerate(zip(seqs, out.token_ids)):
             seq.output_token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             seq.cumulative_logprob += out.logprobs[i]
             if seq.logprobs is not None:
                 rank = out.ranks[i] if out.ranks is not None else None
@@ -434,6 +455,8 @@ class Engine:
             cut = text.find(seq.stop_reason)
             if cut >= 0:
                 text = text[: cut + (len(seq.stop_reason) if seq.params.include_stop_str_in_output else 0)]
+        elif seq.params.stop and not seq.is_finished and not seq.params.include_stop_str_in_output:
+            text = text[: len(text) - _stop_prefix_len(text, seq.params.stop)]  # may be the start of a stop string
         return text
 
     def _beam_output(self, st: RequestState) -> RequestOutput:
@@ -488,3 +511,15 @@ class Engine:
         prompt_lp = st.seqs[0].prompt_logprobs
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, completions, finished,
                              prompt_logprobs=list(prompt_lp) if prompt_lp is not None else None)
+
+
+def _stop_prefix_len(text: str, stops: list[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string (held back while
+    streaming: emitted text must never have to be taken back when the stop string completes)."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:k]):
+                best = k
+                break
+    return best

@@ -33,6 +33,7 @@ class Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     generator: torch.Generator | None = None
+    grammar: Any = None  # structured output: a runtime.structured_output.GrammarState (params.guided_decoding)
     detokenizer: Any = None
     prompt: str | None = None
     pending_forks: int = 0  # parallel samples still to fork from this sequence after its prefill

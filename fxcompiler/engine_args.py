@@ -1,0 +1,246 @@
+"""``EngineArgs``: every engine option in one dataclass, shared by ``LLM``, the CLI and the server.
+
+vLLM's shape (``vllm/engine/arg_utils.py``): one dataclass whose fields are the engine's
+options, ``add_cli_args`` that derives argparse flags from it (field ``max_seq_len_to_capture``
+→ ``--max-seq-len-to-capture``, plus furiosa's short flags ``-tp/-pp/-dp/-pb/-db``),
+``from_cli_args`` that reads them back, and validation that names the argument. ``llm_kwargs()``
+is the mapping onto ``LLM(...)`` / ``LLM.load_artifact(...)``; ``create_llm()`` builds it (an
+artifact directory is recognised by its ``artifact.json``).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal
+
+__all__ = ["EngineArgs"]
+
+_ARTIFACT_MANIFEST = "artifact.json"
+
+
+def _pos_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 1) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _pair(text: str) -> tuple[int, int]:
+    try:
+        b, a = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected BATCH,ATTENTION (two integers), got {text!r}") from None
+    return b, a
+
+
+@dataclass
+class EngineArgs:
+    """Options of one engine (model, compilation, KV cache, scheduler); see ``add_cli_args`` for help texts."""
+
+    model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    served_model_name: str | None = None
+    tokenizer: str | None = None
+    tokenizer_mode: Literal["auto", "slow"] = "auto"
+    trust_remote_code: bool = False
+    seed: int | None = None
+    devices: str | None = None
+    dtype: str = "auto"
+    max_seq_len_to_capture: int = 2048
+    max_prompt_len: int | None = None
+    prefill_chunk_size: int | None = None
+    prefill_buckets: list[tuple[int, int]] = field(default_factory=list)
+    decode_buckets: list[tuple[int, int]] = field(default_factory=list)
+    enable_prefix_caching: bool = True
+    paged_attention_block_size: int = 16
+    paged_attention_num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    comp_supertask_kind: Literal["fx", "dfg", "edf"] | None = None
+    auto_bfloat16_cast: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int | None = None
+    npu_queue_limit: int = 2
+    max_processing_samples: int = 65536
+    spare_blocks_ratio: float = 0.0
+    is_offline: bool = False
+    use_random_weight: bool = False
+    num_pipeline_builder_workers: int = 1
+    num_compile_workers: int = 1
+    cache_dir: str | None = None
+    threads: int | None = None
+
+    _HELP = {
+        "model": "model id, HF-format directory, .gguf file or artifact directory (fxcompiler build)",
+        "served_model_name": "the model name the server reports and accepts (default: the model id)",
+        "tokenizer": "tokenizer name or path (default: the model's)",
+        "devices": "cpu, cuda or cuda:N",
+        "dtype": "auto, float32, bfloat16 or float64",
+        "max_prompt_len": "longest prompt (default: max_seq_len_to_capture)",
+        "prefill_buckets": "a prefill bucket BATCH,ATTN (repeatable; default: the automatic ladder)",
+        "decode_buckets": "a decode bucket BATCH,ATTN (repeatable)",
+        "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
+        "paged_attention_num_blocks": "KV-cache blocks (default: planned from memory)",
+        "kv_cache_memory_bytes": "KV-cache memory budget in bytes",
+        "auto_bfloat16_cast": "bf16 weights, compute and KV cache",
+        "npu_queue_limit": "engine steps in flight before their outputs are consumed",
+        "max_processing_samples": "cap on sequences processed concurrently",
+        "spare_blocks_ratio": "fraction of KV blocks held back when admitting prompts",
+        "is_offline": "throughput mode (admit as many prompts as fit before decoding)",
+        "use_random_weight": "random weights (no checkpoint; for tests and benchmarks)",
+        "cache_dir": "build/conversion cache (default ~/.cache/fxcompiler)",
+        "threads": "torch intra-op threads (default: all cores)",
+    }
+    _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
+              "prefill_buckets": "-pb", "decode_buckets": "-db"}
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
+            raise ValueError(f"model must be a non-empty str, got {self.model!r}")
+        self.model = os.fspath(self.model)
+        if self.tokenizer_mode not in ("auto", "slow"):
+            raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}")
+        if self.comp_supertask_kind not in (None, "fx", "dfg", "edf"):
+            raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {self.comp_supertask_kind!r}")
+        for name in ("max_seq_len_to_capture", "paged_attention_block_size", "tensor_parallel_size",
+                     "pipeline_parallel_size", "npu_queue_limit", "max_processing_samples",
+                     "num_pipeline_builder_workers", "num_compile_workers"):
+            _pos_int(name, getattr(self, name))
+        for name in ("max_prompt_len", "prefill_chunk_size", "data_parallel_size", "threads",
+                     "kv_cache_memory_bytes"):
+            _pos_int(name, getattr(self, name), allow_none=True)
+        _pos_int("paged_attention_num_blocks", self.paged_attention_num_blocks, allow_none=True, minimum=2)
+        if self.max_prompt_len is not None and self.max_prompt_len > self.max_seq_len_to_capture:
+            raise ValueError(f"max_prompt_len={self.max_prompt_len} exceeds "
+                             f"max_seq_len_to_capture={self.max_seq_len_to_capture}")
+        if isinstance(self.spare_blocks_ratio, bool) or not isinstance(self.spare_blocks_ratio, (int, float)) \
+                or not 0.0 <= self.spare_blocks_ratio < 1.0:
+            raise ValueError(f"spare_blocks_ratio must be in [0, 1), got {self.spare_blocks_ratio!r}")
+        if bool(self.prefill_buckets) != bool(self.decode_buckets) and not self.is_artifact:
+            raise ValueError("give both prefill_buckets and decode_buckets, or neither")
+        for name in ("prefill_buckets", "decode_buckets"):
+            pairs = [tuple(p) for p in getattr(self, name)]
+            for p in pairs:
+                if len(p) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in p):
+                    raise ValueError(f"{name} entries must be (batch, attention) pairs of positive ints, got {p!r}")
+            setattr(self, name, pairs)
+        for name in ("trust_remote_code", "enable_prefix_caching", "auto_bfloat16_cast", "is_offline",
+                     "use_random_weight"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    # -- derived ----------------------------------------------------------------------------------
+    @property
+    def is_artifact(self) -> bool:
+        """Whether ``model`` names an artifact directory (built by ``fxcompiler build``)."""
+        return (Path(self.model) / _ARTIFACT_MANIFEST).is_file()
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this model."""
+        return self.served_model_name or self.model
+
+    def scheduler_config(self):
+        from .config import SchedulerConfig
+
+        return SchedulerConfig(npu_queue_limit=self.npu_queue_limit,
+                               max_processing_samples=self.max_processing_samples,
+                               spare_blocks_ratio=float(self.spare_blocks_ratio), is_offline=self.is_offline)
+
+    def bucket_config(self):
+        from .config import ManualBucketConfig
+
+        if not self.prefill_buckets and not self.decode_buckets:
+            return None
+        return ManualBucketConfig(self.prefill_buckets, self.decode_buckets or None)
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of ``LLM(...)`` (or of ``LLM.load_artifact`` for an artifact), without ``model``."""
+        from .llm import CACHE_DIR
+
+        common: dict[str, Any] = dict(
+            devices=self.devices, seed=self.seed, tokenizer=self.tokenizer, tokenizer_mode=self.tokenizer_mode,
+            cache_dir=self.cache_dir or CACHE_DIR, scheduler_config=self.scheduler_config(),
+            bucket_config=self.bucket_config(), enable_prefix_caching=self.enable_prefix_caching,
+            paged_attention_num_blocks=self.paged_attention_num_blocks,
+            kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+        if self.is_artifact:
+            common.update(pipeline_parallel_size=None if self.pipeline_parallel_size == 1
+                          else self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size)
+            return common
+        common.update(
+            dtype=self.dtype, trust_remote_code=self.trust_remote_code,
+            max_seq_len_to_capture=self.max_seq_len_to_capture, max_prompt_len=self.max_prompt_len,
+            prefill_chunk_size=self.prefill_chunk_size, paged_attention_block_size=self.paged_attention_block_size,
+            comp_supertask_kind=self.comp_supertask_kind, auto_bfloat16_cast=self.auto_bfloat16_cast or None,
+            tensor_parallel_size=self.tensor_parallel_size, pipeline_parallel_size=self.pipeline_parallel_size,
+            data_parallel_size=self.data_parallel_size, use_random_weight=self.use_random_weight,
+            num_pipeline_builder_workers=self.num_pipeline_builder_workers,
+            num_compile_workers=self.num_compile_workers)
+        return common
+
+    def create_llm(self):
+        """Build (or load) the ``LLM`` these arguments describe."""
+        from .llm import LLM
+
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
+        if self.is_artifact:
+            return LLM.load_artifact(self.model, **self.llm_kwargs())
+        return LLM(self.model, **self.llm_kwargs())
+
+    # -- command line -----------------------------------------------------------------------------
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser, *, positional_model: bool = False
+                     ) -> argparse.ArgumentParser:
+        """Add one ``--flag`` per field (``--no-X`` for booleans that default to True)."""
+        defaults = cls()
+        for f in fields(cls):
+            if f.name.startswith("_"):
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            names = [flag] + ([cls._SHORT[f.name]] if f.name in cls._SHORT else [])
+            default = getattr(defaults, f.name)
+            help_text = cls._HELP.get(f.name, "")
+            if f.name == "model":
+                if positional_model:
+                    parser.add_argument("model", metavar="MODEL_OR_ARTIFACT", help=help_text)
+                else:
+                    parser.add_argument("--model", "-m", default=default, help=help_text)
+                continue
+            if f.name in ("prefill_buckets", "decode_buckets"):
+                parser.add_argument(*names, dest=f.name, type=_pair, action="append", default=[],
+                                    metavar="BATCH,ATTN", help=help_text)
+            elif isinstance(default, bool):
+                parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                    help=help_text)
+            elif f.name == "comp_supertask_kind":
+                parser.add_argument(*names, dest=f.name, choices=["fx", "dfg", "edf"], default=None)
+            elif f.name == "tokenizer_mode":
+                parser.add_argument(*names, dest=f.name, choices=["auto", "slow"], default=default)
+            else:
+                kind = {"int": int, "float": float}.get(_base_type(f.type), str)
+                parser.add_argument(*names, dest=f.name, type=kind, default=default, help=help_text)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "EngineArgs":
+        """The ``EngineArgs`` in a namespace parsed with ``add_cli_args`` (other attributes ignored)."""
+        names = [f.name for f in fields(cls) if not f.name.startswith("_")]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+    def replace(self, **changes) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def _base_type(annotation: Any) -> str:
+    """'int' / 'float' / 'str' for annotations such as ``int | None`` (written as strings here)."""
+    text = str(annotation)
+    for name in ("int", "float"):
+        if text == name or text.startswith(name + " ") or text.startswith(name + "|"):
+            return name
+    return "str"

@@ -1,0 +1,428 @@
+"""``fxcompiler serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``AsyncLLMEngine``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming ending in ``[DONE]``,
+``stream_options.include_usage``), ``GET /v1/models``, ``/health``, ``/version``, ``/metrics``.
+Errors use OpenAI's body with the status in ``code`` (validation → 400, unknown model → 404,
+not implemented → 501, dead engine → 503). A client that disconnects aborts its request.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import time
+import uuid
+from typing import Any, AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..engine_args import EngineArgs
+from .cli_args import add_serve_args  # noqa: F401 - re-exported
+from ..outputs import RequestOutput
+from ..sampling_params import RequestOutputKind
+from .engine import AsyncLLMEngine, EngineDeadError, LLMEngine
+from .metrics import ServerMetrics
+from ..guided_decoding import GuidedDecodingParams
+from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, message_dicts
+from .tool_parsers import calls_from_forced, check_tools, forced_schema, parse_tool_calls
+
+log = logging.getLogger("fxcompiler.serving")
+
+
+def _error(exc: OpenAIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name: str | None = None,
+              tool_call_parser: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (one model)."""
+    from .. import __version__
+
+    llm_engine = engine.engine
+    name = model_name or llm_engine.model_name
+    tokenizer = llm_engine.tokenizer
+    defaults = llm_engine.default_sampling_params()
+    metrics = ServerMetrics(engine.stats, name)
+    engine.on_request_done.append(metrics.observe)
+    app = FastAPI(title="fxcompiler", version=__version__)
+    app.state.engine = engine
+    app.state.metrics = metrics
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req, exc: RequestValidationError):
+        errs = exc.errors()
+        first = errs[0] if errs else {}
+        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
+        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in errs[:5])
+        return _error(OpenAIError(msg or "invalid request", param=loc))
+
+    @app.exception_handler(OpenAIError)
+    async def _openai(_req, exc: OpenAIError):
+        return _error(exc)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {api_key}":
+                return _error(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
+        return await call_next(request)
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != name:
+            raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if engine.dead is None else 503)
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "fxcompiler", "root": llm_engine.llm.model_id,
+                                            "max_model_len": llm_engine.max_model_len}]}
+
+    async def start(prompts: list[Any], params, tokenizer_kwargs=None) -> list[tuple[str, AsyncIterator]]:
+        """Validate every prompt before streaming any (errors become 400s)."""
+        gens = []
+        try:
+            for p in prompts:
+                rid = f"cmpl-{uuid.uuid4().hex}"
+                stream_params = params.clone()
+                stream_params.output_kind = RequestOutputKind.DELTA
+                try:
+                    llm_engine.process_prompt(p, stream_params, tokenizer_kwargs)  # raises before anything runs
+                except (ValueError, TypeError) as exc:
+                    raise OpenAIError(str(exc), param="prompt" if "prompt" in str(exc) else None) from None
+                except NotImplementedError as exc:
+                    raise OpenAIError(str(exc), 501, "NotImplementedError") from None
+                gens.append((rid, engine.generate(p, stream_params, rid, tokenizer_kwargs=tokenizer_kwargs)))
+        except EngineDeadError as exc:
+            raise OpenAIError(str(exc), 503, "ServiceUnavailableError") from None
+        return gens
+
+    async def merged(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Outputs of several prompts' streams as they come: (prompt index, delta output)."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i, gen):
+            try:
+                async for out in gen:
+                    await queue.put((i, out, None))
+            except asyncio.CancelledError:
+                raise
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                await queue.put((i, None, exc))
+                return
+            await queue.put((i, None, None))
+
+        tasks = [asyncio.create_task(pump(i, g)) for i, (_, g) in enumerate(gens)]
+        try:
+            live = len(tasks)
+            while live:
+                i, out, exc = await queue.get()
+                if exc is not None:
+                    raise exc
+                if out is None:
+                    live -= 1
+                    continue
+                yield i, out
+        finally:
+            for t in tasks:
+                t.cancel()  # the CancelledError runs each generator's finally: its request is aborted
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for _, g in gens:
+                await g.aclose()  # generators that never started
+
+    async def until_disconnect(request: Request, coro):
+        """Run ``coro``; cancel it (aborting its requests) if the client goes away first."""
+        work = asyncio.ensure_future(coro)
+
+        async def listen():
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    return
+
+        watcher = asyncio.ensure_future(listen())
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            watcher.cancel()
+            return work.result()
+        work.cancel()
+        return Response(status_code=499)
+
+    def logprobs_completion(c, offset0: int):
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = offset0
+        for tok, entry in zip(c.token_ids, c.logprobs or []):
+            text = tokenizer.decode([tok]) if tokenizer is not None else str(tok)
+            tokens.append(text)
+            token_lps.append(entry[tok].logprob if tok in entry else None)
+            tops.append({(tokenizer.decode([t]) if tokenizer else str(t)): lp.logprob for t, lp in entry.items()})
+            offsets.append(off)
+            off += len(text)
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def logprobs_chat(c, top: int):
+        content = []
+        for tok, entry in zip(c.token_ids, c.logprobs or []):
+            text = tokenizer.decode([tok]) if tokenizer is not None else str(tok)
+            lp = entry[tok].logprob if tok in entry else float("-inf")
+            others = sorted(((t, v) for t, v in entry.items()), key=lambda kv: kv[1].rank or 0)
+            content.append({"token": text, "logprob": max(lp, -9999.0), "bytes": list(text.encode()),
+                            "top_logprobs": [{"token": tokenizer.decode([t]) if tokenizer else str(t),
+                                              "logprob": max(v.logprob, -9999.0),
+                                              "bytes": list((tokenizer.decode([t]) if tokenizer else str(t)).encode())}
+                                             for t, v in others if v.rank is not None and v.rank <= top][:top]})
+        return {"content": content}
+
+    # -- /v1/completions ----------------------------------------------------------------------------
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        check_model(req.model)
+        if req.suffix:
+            raise OpenAIError("suffix is not supported", param="suffix")
+        p = req.prompt
+        if isinstance(p, str):
+            prompts: list[Any] = [p]
+        elif p and all(isinstance(x, int) for x in p):
+            prompts = [{"prompt_token_ids": list(p)}]
+        elif p and all(isinstance(x, str) for x in p):
+            prompts = list(p)
+        elif p and all(isinstance(x, list) for x in p):
+            prompts = [{"prompt_token_ids": list(x)} for x in p]
+        else:
+            raise OpenAIError("prompt must be a non-empty string, list of strings or token ids", param="prompt")
+        params = req.sampling_params(defaults, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+        gens = await start(prompts, params)
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        n = req.n
+        if req.stream:
+            return StreamingResponse(stream_completion(gens, rid, created, req, n), media_type="text/event-stream")
+        return await until_disconnect(request, full_completion(gens, rid, created, req, n))
+
+    async def full_completion(gens, rid, created, req, n):
+        acc: dict[tuple[int, int], dict] = {}
+        prompt_tokens = {}
+        async for i, out in merged(gens):
+            prompt_tokens[i] = len(out.prompt_token_ids)
+            for c in out.outputs:
+                a = acc.setdefault((i, c.index), {"text": "", "ids": [], "lps": [], "finish": None, "prompt": out.prompt})
+                a["text"] += c.text
+                a["ids"] += c.token_ids
+                a["lps"] += c.logprobs or []
+                a["finish"] = c.finish_reason or a["finish"]
+        choices = []
+        for (i, j), a in sorted(acc.items()):
+            from ..outputs import CompletionOutput
+
+            c = CompletionOutput(j, a["text"], a["ids"], logprobs=a["lps"])
+            text = (a["prompt"] or "") + a["text"] if req.echo else a["text"]
+            choices.append({"index": i * n + j, "text": text, "finish_reason": _finish(a["finish"]),
+                            "logprobs": logprobs_completion(c, 0) if req.logprobs is not None else None})
+        completion = sum(len(a["ids"]) for a in acc.values())
+        ptoks = sum(prompt_tokens.values())
+        return {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices,
+                "usage": {"prompt_tokens": ptoks, "completion_tokens": completion,
+                          "total_tokens": ptoks + completion}}
+
+    async def stream_completion(gens, rid, created, req, n):
+        prompt_tokens, completion = {}, 0
+        try:
+            async for i, out in merged(gens):
+                prompt_tokens[i] = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion += len(c.token_ids)
+                    if not c.text and c.finish_reason is None:
+                        continue
+                    chunk = {"id": rid, "object": "text_completion", "created": created, "model": name,
+                             "choices": [{"index": i * n + c.index, "text": c.text,
+                                          "finish_reason": _finish(c.finish_reason),
+                                          "logprobs": logprobs_completion(c, 0) if req.logprobs is not None
+                                          else None}]}
+                    yield f"data: {json.dumps(chunk)}\n\n"
+            if req.stream_options and req.stream_options.include_usage:
+                ptoks = sum(prompt_tokens.values())
+                yield "data: " + json.dumps({"id": rid, "object": "text_completion", "created": created,
+                                             "model": name, "choices": [],
+                                             "usage": {"prompt_tokens": ptoks, "completion_tokens": completion,
+                                                       "total_tokens": ptoks + completion}}) + "\n\n"
+        except EngineDeadError as exc:
+            yield "data: " + json.dumps(OpenAIError(str(exc), 503, "ServiceUnavailableError").body()) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    # -- /v1/chat/completions -----------------------------------------------------------------------
+    @app.post("/v1/chat/completions")
+    async def chat(req: ChatCompletionRequest, request: Request):
+        check_model(req.model)
+        if tokenizer is None:
+            raise OpenAIError("this model has no tokenizer/chat template", 400)
+        try:
+            functions = check_tools(req.tools, req.tool_choice)
+        except ValueError as exc:
+            raise OpenAIError(str(exc), param="tools") from None
+        tool_choice = req.tool_choice
+        if tool_choice is None:
+            tool_choice = "auto" if functions and tool_call_parser else "none"
+        if tool_choice == "auto" and not tool_call_parser:
+            raise OpenAIError('tool_choice "auto" needs the server started with --enable-auto-tool-choice and '
+                              "--tool-call-parser", param="tool_choice")
+        forced = forced_schema(functions, tool_choice, req.parallel_tool_calls) if functions else None
+        if forced is not None and req.response_format is not None:
+            raise OpenAIError("response_format cannot be combined with a forced tool_choice", param="response_format")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = req.sampling_params(defaults, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
+        if forced is not None:
+            try:
+                params.guided_decoding = GuidedDecodingParams(json=forced)
+            except (ValueError, TypeError) as exc:
+                raise OpenAIError(str(exc), param="tools") from None
+        tools_mode = "none" if tool_choice == "none" or not functions else ("forced" if forced else "auto")
+        try:
+            prompt = tokenizer.apply_chat_template(message_dicts(req.messages), tokenize=False,
+                                                   add_generation_prompt=req.add_generation_prompt,
+                                                   chat_template=req.chat_template, tools=req.tools)
+        except OpenAIError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
+            raise OpenAIError(f"chat template failed: {exc}", param="messages") from None
+        gens = await start([prompt], params, {"add_special_tokens": False})
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        if req.stream:
+            return StreamingResponse(stream_chat(gens, rid, created, req, tools_mode, tool_choice),
+                                     media_type="text/event-stream")
+        return await until_disconnect(request, full_chat(gens, rid, created, req, tools_mode, tool_choice))
+
+    def tool_message(text: str, finish: str | None, tools_mode: str, tool_choice) -> tuple[dict, str | None]:
+        """The assistant message of one choice (tool calls parsed out when tools are on), its finish reason."""
+        calls: list = []
+        content: str | None = text
+        if tools_mode == "forced" and finish == "stop":
+            try:
+                calls = calls_from_forced(text, tool_choice)
+                content = None
+            except (ValueError, KeyError, TypeError):  # cut short: the text stays content
+                calls = []
+        elif tools_mode == "auto":
+            content, calls = parse_tool_calls(tool_call_parser, text)
+            content = content or None
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+            return message, "tool_calls"
+        return message, _finish(finish)
+
+    async def full_chat(gens, rid, created, req, tools_mode="none", tool_choice=None):
+        from ..outputs import CompletionOutput
+
+        acc: dict[int, dict] = {}
+        ptoks = 0
+        async for _, out in merged(gens):
+            ptoks = len(out.prompt_token_ids)
+            for c in out.outputs:
+                a = acc.setdefault(c.index, {"text": "", "ids": [], "lps": [], "finish": None})
+                a["text"] += c.text
+                a["ids"] += c.token_ids
+                a["lps"] += c.logprobs or []
+                a["finish"] = c.finish_reason or a["finish"]
+        choices = []
+        for j, a in sorted(acc.items()):
+            message, finish = tool_message(a["text"], a["finish"], tools_mode, tool_choice)
+            choices.append({"index": j, "message": message, "finish_reason": finish,
+                            "logprobs": logprobs_chat(CompletionOutput(j, a["text"], a["ids"], logprobs=a["lps"]),
+                                                      req.top_logprobs or 0) if req.logprobs else None})
+        completion = sum(len(a["ids"]) for a in acc.values())
+        return {"id": rid, "object": "chat.completion", "created": created, "model": name, "choices": choices,
+                "usage": {"prompt_tokens": ptoks, "completion_tokens": completion,
+                          "total_tokens": ptoks + completion}}
+
+    async def stream_chat(gens, rid, created, req, tools_mode="none", tool_choice=None):
+        head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
+        for j in range(req.n):
+            yield "data: " + json.dumps({**head, "choices": [{"index": j, "delta": {"role": "assistant",
+                                                                                     "content": ""},
+                                                              "finish_reason": None, "logprobs": None}]}) + "\n\n"
+        ptoks, completion = 0, 0
+        held: dict[int, str] = {}
+        try:
+            async for _, out in merged(gens):
+                ptoks = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    completion += len(c.token_ids)
+                    if tools_mode != "none":  # tool calls are parsed from the whole text: sent when it ends
+                        held[c.index] = held.get(c.index, "") + c.text
+                        if c.finish_reason is None:
+                            continue
+                        message, finish = tool_message(held.pop(c.index), c.finish_reason, tools_mode, tool_choice)
+                        delta = {"content": message["content"]} if message["content"] else {}
+                        if "tool_calls" in message:
+                            delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(message["tool_calls"])]
+                        choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                        yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
+                        continue
+                    if not c.text and c.finish_reason is None:
+                        continue
+                    choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
+                              "finish_reason": _finish(c.finish_reason),
+                              "logprobs": logprobs_chat(c, req.top_logprobs or 0) if req.logprobs else None}
+                    yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
+            if req.stream_options and req.stream_options.include_usage:
+                yield "data: " + json.dumps({**head, "choices": [], "usage": {
+                    "prompt_tokens": ptoks, "completion_tokens": completion,
+                    "total_tokens": ptoks + completion}}) + "\n\n"
+        except EngineDeadError as exc:
+            yield "data: " + json.dumps(OpenAIError(str(exc), 503, "ServiceUnavailableError").body()) + "\n\n"
+        yield "data: [DONE]\n\n"
+
+    return app
+
+
+def _finish(reason: str | None) -> str | None:
+    if reason is None:
+        return None
+    return reason if reason in ("stop", "length", "tool_calls") else "stop"
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Build the engine, serve until SIGINT/SIGTERM (uvicorn stops accepting, finishes, then the engine stops)."""
+    import uvicorn
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
+    engine_args = EngineArgs.from_cli_args(args)
+    aeng = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
+    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+    app = build_app(aeng, api_key=args.api_key, model_name=engine_args.model_name, tool_call_parser=parser)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=30)
+    server = uvicorn.Server(config)  # installs SIGINT/SIGTERM handlers: graceful shutdown
+    stopped_by: list[int] = []
+    # uvicorn re-raises the signal it caught once it has shut down, to the handlers found at start:
+    # these record it, so that a graceful stop exits 0 after the engine has shut down too.
+    previous = {sig: signal.signal(sig, lambda signum, _frame: stopped_by.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    finally:
+        aeng.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped_by:
+        log.warning("stopped by signal %d after a graceful shutdown", stopped_by[0])
+    return 0

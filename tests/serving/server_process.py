@@ -1,0 +1,80 @@
+"""Start ``fxcompiler serve`` as a subprocess on 127.0.0.1 (a free port) and stop it (SIGTERM) for tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+# The served engine's options; the in-process reference LLM is built with the same ones.
+SERVE_FLAGS = ["--max-seq-len-to-capture", "128", "-pb", "1,64", "-pb", "4,64", "-db", "1,128", "-db", "16,128",
+               "--threads", "1"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: Path
+    api_key: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-4000:]
+
+    def stop(self, timeout: float = 60.0) -> int:
+        """SIGTERM (graceful shutdown), then the exit code; SIGKILL only when it does not exit in time."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+def start_server(model: str | Path, workdir: Path, *, served_name: str = "tiny", api_key: str | None = None,
+                 extra_flags: list[str] | None = None, startup_timeout: float = 600.0) -> ServerProcess:
+    """Launch the server and wait (bounded) until ``/health`` answers 200."""
+    port = free_port()
+    log_path = workdir / "server.log"
+    cmd = [sys.executable, "-m", "fxcompiler.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", served_name, "--cache-dir", str(workdir / "cache"), *SERVE_FLAGS,
+           *(extra_flags or [])]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                cwd=Path(__file__).resolve().parents[2])
+    server = ServerProcess(proc, port, log_path, api_key)
+    deadline = time.monotonic() + startup_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"fxcompiler serve exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(f"{server.base_url}/health", timeout=2.0).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.stop()
+    raise RuntimeError(f"fxcompiler serve did not become healthy in {startup_timeout} s:\n{server.log()}")

@@ -1,0 +1,170 @@
+"""Engine API: LLMEngine step by step, AsyncLLMEngine streams (kinds, abort, fairness), streaming semantics."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from fxcompiler import LLM, SamplingParams
+from fxcompiler.config import ManualBucketConfig
+from fxcompiler.engine_args import EngineArgs
+from fxcompiler.sampling_params import RequestOutputKind
+from fxcompiler.serving import AsyncLLMEngine, LLMEngine
+
+from .tiny_chat_model import save_tiny_chat_model
+
+pytestmark = pytest.mark.slow
+
+BUCKETS = dict(prefill_buckets=[(1, 64), (4, 64)], decode_buckets=[(1, 128), (16, 128)])
+PROMPTS = ["def foo(x): return", "The class statement", "import sys", "for i in range(10):", "while True:"]
+
+
+@pytest.fixture(scope="module")
+def engine_args(tmp_path_factory):
+    path = save_tiny_chat_model(tmp_path_factory.mktemp("tinychat") / "model")
+    return EngineArgs(model=str(path), max_seq_len_to_capture=128, cache_dir=str(tmp_path_factory.mktemp("c")),
+                      **BUCKETS)
+
+
+@pytest.fixture(scope="module")
+def llm(engine_args):
+    return LLM.from_engine_args(engine_args)
+
+
+def greedy(max_tokens=12, **kw):
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, **kw)
+
+
+def test_engine_args_round_trip_through_the_cli():
+    import argparse
+
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser(), positional_model=True)
+    ns = p.parse_args(["some/model", "-pb", "1,64", "-db", "4,128", "--no-enable-prefix-caching", "-tp", "1",
+                       "--npu-queue-limit", "3", "--spare-blocks-ratio", "0.25"])
+    a = EngineArgs.from_cli_args(ns)
+    assert a.prefill_buckets == [(1, 64)] and a.decode_buckets == [(4, 128)]
+    assert a.enable_prefix_caching is False and a.npu_queue_limit == 3
+    kw = a.llm_kwargs()
+    assert kw["bucket_config"] == ManualBucketConfig([(1, 64)], [(4, 128)])
+    assert kw["scheduler_config"].npu_queue_limit == 3 and kw["scheduler_config"].spare_blocks_ratio == 0.25
+    with pytest.raises(ValueError, match="spare_blocks_ratio"):
+        EngineArgs(spare_blocks_ratio=1.5)
+    with pytest.raises(ValueError, match="npu_queue_limit"):
+        EngineArgs(npu_queue_limit=0)
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        EngineArgs(max_prompt_len=4096, max_seq_len_to_capture=2048)
+    with pytest.raises(ValueError, match="prefill_buckets and decode_buckets"):
+        EngineArgs(prefill_buckets=[(1, 64)])
+
+
+def test_llm_engine_steps_match_generate(llm, engine_args):
+    ref = llm.generate(PROMPTS, greedy())
+    eng = LLMEngine(llm, engine_args)
+    for i, p in enumerate(PROMPTS):
+        eng.add_request(f"r{i}", p, greedy(output_kind=RequestOutputKind.FINAL_ONLY))
+    eng.add_request("gone", "import os", greedy())
+    eng.abort_request("gone")
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            assert out.request_id != "gone"
+            if out.finished:
+                done[out.request_id] = out
+    assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == [r.outputs[0].token_ids for r in ref]
+    ids = llm.tokenizer("import sys")["input_ids"]
+    eng.add_request("tok", {"prompt_token_ids": ids}, greedy(output_kind=RequestOutputKind.FINAL_ONLY))
+    while eng.has_unfinished_requests():
+        outs = eng.step()
+    assert outs[0].outputs[0].token_ids == ref[2].outputs[0].token_ids
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        eng.add_request("bad", {"prompt_token_ids": []}, greedy())
+    with pytest.raises(TypeError, match="prompt"):
+        eng.add_request("bad", 42, greedy())
+
+
+def test_async_engine_streams_every_kind_and_aborts(llm, engine_args):
+    ref = llm.generate(PROMPTS, greedy(max_tokens=16))
+
+    async def main():
+        aeng = AsyncLLMEngine(LLMEngine(llm, engine_args))
+        done_metrics = []
+        aeng.on_request_done.append(done_metrics.append)
+
+        async def collect(prompt, kind, rid):
+            outs = [o async for o in aeng.generate(prompt, greedy(max_tokens=16, output_kind=kind), rid)]
+            return outs
+
+        tasks = [collect(p, kind, f"{kind.name}-{i}") for i, p in enumerate(PROMPTS)
+                 for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY)]
+
+        async def abandoned():  # reads one chunk and walks away: the request must be aborted
+            gen = aeng.generate("import sys", greedy(max_tokens=100), "abandoned")
+            await gen.__anext__()
+            await gen.aclose()
+
+        results = await asyncio.gather(*tasks, abandoned())
+        for _ in range(200):
+            if not llm.engine.has_unfinished_requests():
+                break
+            await asyncio.sleep(0.01)
+        assert not llm.engine.has_unfinished_requests() and aeng.num_streams == 0
+        assert llm.engine.requests == {}
+        aeng.shutdown()
+        return results[:-1], done_metrics
+
+    results, metrics = asyncio.run(main())
+    for i in range(len(PROMPTS)):
+        delta, cum, final = results[3 * i: 3 * i + 3]
+        want = ref[i].outputs[0]
+        assert sum((o.outputs[0].token_ids for o in delta), []) == want.token_ids
+        assert "".join(o.outputs[0].text for o in delta) == want.text
+        assert len(final) == 1 and final[0].outputs[0].token_ids == want.token_ids and final[0].finished
+        assert cum[-1].outputs[0].text == want.text
+        assert all(a.outputs[0].text == b.outputs[0].text[:len(a.outputs[0].text)] for a, b in zip(cum, cum[1:]))
+    assert sorted(m.finish_reason for m in metrics).count("abort") == 1
+    assert all(m.first_token is not None for m in metrics if m.finish_reason != "abort")
+
+
+def test_slow_consumer_does_not_hold_back_others(llm, engine_args):
+    async def main():
+        aeng = AsyncLLMEngine(LLMEngine(llm, engine_args))
+        slow = aeng.generate("while True:", greedy(max_tokens=40), "slow")
+        first = await slow.__anext__()  # then it stops reading while the others run to completion
+        fast = [[o async for o in aeng.generate(p, greedy(max_tokens=20), f"f{i}")] for i, p in enumerate(PROMPTS)]
+        steps_for_fast = aeng.steps
+        rest = [o async for o in slow]  # everything generated meanwhile arrives merged, in few outputs
+        aeng.shutdown()
+        return first, fast, rest, steps_for_fast
+
+    first, fast, rest, steps = asyncio.run(main())
+    assert all(f[-1].finished for f in fast)
+    tokens = len(first.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids) for o in rest)
+    assert rest[-1].finished and len(rest) < tokens - len(first.outputs[0].token_ids)
+    assert steps >= 20  # the engine kept stepping while the slow stream was not read
+
+
+def test_delta_holds_back_a_possible_stop_string(llm):
+    full = llm.generate("The class statement", greedy(max_tokens=24)).outputs[0].text
+    # a stop string that starts mid-output: deltas must never emit its first characters early
+    start = len(full) // 2
+    stop = full[start:start + 4]
+    want = llm.generate("The class statement", greedy(max_tokens=24, stop=[stop])).outputs[0]
+    assert want.finish_reason == "stop" and stop not in want.text
+
+    async def stream():
+        return [d async for d in llm.stream_generate("The class statement", greedy(max_tokens=24, stop=[stop]))]
+
+    deltas = asyncio.run(stream())
+    assert "".join(deltas) == want.text
+
+
+def test_stream_generate_yields_every_completion(llm):
+    p = SamplingParams(n=2, temperature=1.0, seed=7, max_tokens=8)
+    ref = llm.generate("import sys", p)
+
+    async def stream():
+        return [d async for d in llm.stream_generate("import sys", p)]
+
+    text = "".join(asyncio.run(stream()))
+    assert text == ref.outputs[0].text + ref.outputs[1].text
+    assert ref.outputs[1].text and len(text) > len(ref.outputs[0].text)
