@@ -457,6 +457,7 @@ def test_generate_steps_on_the_calling_thread_and_alongside_a_stream(llama_llm):
         with llama_llm._lock:
             engine.add_request("streamed", [9, 10, 11], SamplingParams(temperature=0, max_tokens=60,
                                                                         ignore_eos=True), None)
+            llama_llm._live.add("streamed")  # a caller waits for it (outputs of unregistered ids are dropped)
         streamed: list = []
 
         def consume():
@@ -475,5 +476,6 @@ def test_generate_steps_on_the_calling_thread_and_alongside_a_stream(llama_llm):
         assert any(t is not threading.current_thread() for t in threads)  # the worker stepped too
     finally:
         engine.step = step
+        llama_llm._live.discard("streamed")
     blocks = engine.scheduler.blocks
     assert blocks.num_free_blocks == blocks.num_usable_blocks
