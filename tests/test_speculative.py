@@ -264,3 +264,24 @@ def test_tokenizer_mismatch_rules():
         check_compatible(llm(_Tok({"a": 0})), llm(None))
     with pytest.raises(ValueError, match="context limit"):
         check_compatible(llm(None, ctx=128), llm(None, ctx=64))
+
+
+def test_quantized_copy_of_the_target_drafts_losslessly(tiny_models, reference, cache_dir):
+    """The draft a user of this machine has: the target's own checkpoint quantized (int8 weights,
+    through ``speculative_model_llm_config``). Its guesses differ from the float64 target's at
+    times; the output must not."""
+    from fxcompiler import LLMConfig, QuantizationConfig
+
+    path = tiny_models["llama"]
+    llm = make_llm(path, cache_dir, speculative_model=str(path), num_speculative_tokens=K,
+                   speculative_model_llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W8A32")))
+    try:
+        draft = llm.speculative_llm
+        assert draft.quantization is not None and draft.quantization != {}
+        assert any(h.get("pass") == "quantize" and h.get("modified") for h in draft.pass_history), draft.pass_history
+        outs = run_checked(llm, PROMPTS, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == reference
+        assert llm.engine.stats.spec_proposed_tokens > 0 and llm.engine.stats.spec_accepted_tokens > 0
+        all_free(llm)
+    finally:
+        llm.shutdown()
