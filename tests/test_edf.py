@@ -98,7 +98,7 @@ def test_edf_packages_call_the_fxc_kernels(built):
     from fxcompiler.edf import EXTERN_OPS, extern_kernel_calls
 
     llm, edf_pipes, _, _ = built
-    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "paged_attention"}
+    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_by_m", "paged_attention"}
     p, e = next((p, e) for p, e in zip(llm.pipelines, edf_pipes) if not p.bucket.is_prefill)
     keys = [k for k, t in p.supertasks.items() if t.data_blob is not None]
     block_calls = None
@@ -107,7 +107,7 @@ def test_edf_packages_call_the_fxc_kernels(built):
         calls = extern_kernel_calls(e.blobs[e.supertasks[k].data_blob].graph.path)
         # a fused qkv_paged_attention becomes ATen head views and rope around a kept paged_attention call
         kept = [c.removeprefix("qkv_") for c in _fxc_calls(fx_graph)]
-        expected = [f"fxc::{c}" for c in kept if c in ("linear", "linear_w8", "paged_attention")]
+        expected = [f"fxc::{c}" for c in kept if c in EXTERN_OPS["cpu"]]
         assert calls == expected, k
         if "fxc::paged_attention" in calls:
             block_calls = calls

@@ -13,7 +13,10 @@ from pathlib import Path
 import httpx
 
 # The served engine's options; the in-process reference LLM is built with the same ones.
-SERVE_FLAGS = ["--max-seq-len-to-capture", "128", "-pb", "1,64", "-pb", "4,64", "-db", "1,128", "-db", "16,128",
+# a context of 512 leaves a disconnected stream (max_tokens 480) long enough to be aborted, not finished,
+# when the host is busy; 64-row decode buckets serve the concurrency test's 250 streams
+SERVE_FLAGS = ["--max-seq-len-to-capture", "512", "-pb", "1,64", "-pb", "4,64", "-db", "1,512", "-db", "16,512",
+               "-db", "64,512",
                "--threads", "1"]
 
 

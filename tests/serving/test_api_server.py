@@ -44,8 +44,8 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llm(server):
-    args = EngineArgs(model=str(server.extra["model"]), max_seq_len_to_capture=128, threads=1,
-                      prefill_buckets=[(1, 64), (4, 64)], decode_buckets=[(1, 128), (16, 128)],
+    args = EngineArgs(model=str(server.extra["model"]), max_seq_len_to_capture=512, threads=1,
+                      prefill_buckets=[(1, 64), (4, 64)], decode_buckets=[(1, 512), (16, 512), (64, 512)],
                       cache_dir=str(server.extra["work"] / "cache"))
     with LLM.from_engine_args(args) as llm:
         yield llm
@@ -251,7 +251,7 @@ def test_tools(client):
 
 def _malformed() -> list[tuple[str, object, int]]:
     """(route, body — bytes are sent raw, dict as JSON —, expected status)."""
-    long_prompt = " ".join(["class"] * 400)
+    long_prompt = " ".join(["class"] * 1200)  # longer than the 512-token context
     cm, ch = "/v1/completions", "/v1/chat/completions"
     ok = {"model": NAME, "prompt": "hi", "max_tokens": 2}
     okc = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -331,7 +331,7 @@ def test_concurrent_streams_and_disconnects(server):
                 return text, finish
 
             async def disconnect(i):
-                stream = await aclient.completions.create(model=NAME, prompt=f"while {i}:", max_tokens=120,
+                stream = await aclient.completions.create(model=NAME, prompt=f"while {i}:", max_tokens=480,
                                                           temperature=1.0, stream=True,
                                                           extra_body={"ignore_eos": True})
                 async for ch in stream:
