@@ -9,6 +9,8 @@ import os
 import sys
 import time
 
+from .engine_args import bucket_pair
+
 DEFAULT_PROMPTS = [
     "The capital of France is",
     "Write a haiku about compilers.",
@@ -193,14 +195,6 @@ def _passes_json(text: str) -> dict:
         raise ValueError(f"--passes-json is not valid JSON: {exc}") from None
 
 
-def _pair(text: str) -> tuple[int, int]:
-    try:
-        b, a = (int(x) for x in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BATCH,ATTENTION (two integers), got {text!r}") from None
-    return b, a
-
-
 def cmd_build(args) -> int:
     """Build an artifact directory (furiosa-llm build)."""
     from .config import ManualBucketConfig
@@ -360,9 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(b)
     b.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
     b.add_argument("output", metavar="OUT", help="artifact directory to create (must not exist or be empty)")
-    b.add_argument("-pb", "--prefill-bucket", dest="prefill_buckets", type=_pair, action="append", default=[],
+    b.add_argument("-pb", "--prefill-bucket", dest="prefill_buckets", type=bucket_pair, action="append", default=[],
                    metavar="BATCH,ATTN", help="a prefill bucket (repeatable); default: the automatic bucket ladder")
-    b.add_argument("-db", "--decode-bucket", dest="decode_buckets", type=_pair, action="append", default=[],
+    b.add_argument("-db", "--decode-bucket", dest="decode_buckets", type=bucket_pair, action="append", default=[],
                    metavar="BATCH,ATTN", help="a decode bucket (repeatable)")
     b.add_argument("--max-prompt-len", type=int, default=None)
     b.add_argument("--prefill-chunk-size", type=int, default=None)

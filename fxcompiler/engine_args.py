@@ -28,7 +28,8 @@ def _pos_int(name: str, value: Any, *, allow_none: bool = False, minimum: int = 
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
 
 
-def _pair(text: str) -> tuple[int, int]:
+def bucket_pair(text: str) -> tuple[int, int]:
+    """argparse type of a ``BATCH,ATTENTION`` bucket flag (``-pb`` / ``-db``)."""
     try:
         b, a = (int(x) for x in text.split(","))
     except ValueError:
@@ -213,7 +214,7 @@ class EngineArgs:
                     parser.add_argument("--model", "-m", default=default, help=help_text)
                 continue
             if f.name in ("prefill_buckets", "decode_buckets"):
-                parser.add_argument(*names, dest=f.name, type=_pair, action="append", default=[],
+                parser.add_argument(*names, dest=f.name, type=bucket_pair, action="append", default=[],
                                     metavar="BATCH,ATTN", help=help_text)
             elif isinstance(default, bool):
                 parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,

@@ -36,19 +36,6 @@ def torchrun_env() -> dict[str, int] | None:
     return {"rank": rank, "world": world} if world > 1 else None
 
 
-def _run_step_of(llm):
-    runner = llm.engine.runner
-    exes, kv = runner.executables, runner.kv
-
-    def run_step(bucket, arrays, copies):
-        kv.copy_blocks(copies)
-        ids, pos, table, slots, seq_lens, logits_idx = (torch.from_numpy(a) for a in arrays)
-        with torch.inference_mode():
-            return exes[bucket](ids, pos, *kv.k, *kv.v, table, slots, seq_lens, logits_idx)
-
-    return run_step
-
-
 class TorchrunPeers:
     """Rank 0's handle on the other torchrun ranks: ``shutdown()`` tells them to exit."""
 
@@ -78,7 +65,7 @@ def start_torchrun(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
     import torch.distributed as dist
 
     from .llm import LLM
-    from .parallel_llm import logits_rank, tp_group
+    from .parallel_llm import logits_rank, rank_step_runner, tp_group
 
     env = torchrun_env()
     world = plan.tp * plan.pp
@@ -97,7 +84,7 @@ def start_torchrun(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
 
         kw["artifacts_export_path"] = rank_dir(kw["artifacts_export_path"], rank)
     shard = LLM(**kw, _mppp={"plan": plan.to_dict(), "rank": rank, "group": group})
-    run_step = _run_step_of(shard)
+    run_step = rank_step_runner(shard)
     kvs: list = [None] * world
     dist.all_gather_object(kvs, shard.kv_cache_plan.num_blocks)
     if len(set(kvs)) != 1:

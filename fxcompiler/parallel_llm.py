@@ -143,16 +143,7 @@ def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: di
                              "geometry": g, "pass_history": history, "build_info": dict(llm.build_info), "comm": comm,
                              "placements": llm._build.graph_module.meta.get("mppp") if getattr(
                                  llm._build, "graph_module", None) is not None else None}))
-        runner = llm.engine.runner
-        exes, kv = runner.executables, runner.kv
-
-        def run_step(bucket, arrays, copies):
-            kv.copy_blocks(copies)
-            ids, pos, table, slots, seq_lens, logits_idx = (torch.from_numpy(a) for a in arrays)
-            with torch.inference_mode():
-                return exes[bucket](ids, pos, *kv.k, *kv.v, table, slots, seq_lens, logits_idx)
-
-        serve_steps(conn, run_step, rank, sends_logits=rank == logits_rank(ParallelPlan.from_dict(dict(plan))))
+        serve_steps(conn, rank_step_runner(llm), rank, sends_logits=rank == logits_rank(ParallelPlan.from_dict(dict(plan))))
     except BaseException as exc:  # noqa: BLE001 - reported to the LLM process, which raises it
         try:
             conn.send(("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=6)}"))
@@ -202,3 +193,17 @@ def start_parallel_engine(workers, *, logits_rank: int = 0, kv, prefill_buckets,
     else:
         runner = ParallelModelRunner(workers, blocks, STEP_TIMEOUT_S, logits_rank=logits_rank)
     return Engine(runner, scheduler, tokenizer, eos_token_ids, max_context)
+
+
+def rank_step_runner(llm):
+    """The step function a rank serves: copy blocks, then run the bucket's executable on the step's arrays."""
+    runner = llm.engine.runner
+    exes, kv = runner.executables, runner.kv
+
+    def run_step(bucket, arrays, copies):
+        kv.copy_blocks(copies)
+        ids, pos, table, slots, seq_lens, logits_idx = (torch.from_numpy(a) for a in arrays)
+        with torch.inference_mode():
+            return exes[bucket](ids, pos, *kv.k, *kv.v, table, slots, seq_lens, logits_idx)
+
+    return run_step

@@ -92,17 +92,22 @@ def buckets(max_batch: int = 3, max_tokens: int = 12, max_context: int = 40):
                      st.sampled_from([1, 4, 16]))
 
 
-@functools.lru_cache(maxsize=256)
-def _capture_cached(cfg: TinyConfig, seed: int, dtype: torch.dtype) -> CapturedProgram:
+def _capture_random(config, seed: int, dtype: torch.dtype) -> CapturedProgram:
+    """Capture the model of a transformers ``config`` with seeded N(0, 0.2) matrices."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg.to_transformers(), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.2)
     return capture(model)
+
+
+@functools.lru_cache(maxsize=256)
+def _capture_cached(cfg: TinyConfig, seed: int, dtype: torch.dtype) -> CapturedProgram:
+    return _capture_random(cfg.to_transformers(), seed, dtype)
 
 
 def capture_tiny_model(cfg: TinyConfig, seed: int = 0, dtype: torch.dtype = torch.float64) -> CapturedProgram:
@@ -250,15 +255,7 @@ def zoo_architectures(moe: bool | None = None):
 
 @functools.lru_cache(maxsize=64)
 def _capture_zoo_cached(name: str, seed: int, dtype: torch.dtype) -> CapturedProgram:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(zoo_config(name), dtype=dtype).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() >= 2:
-                p.normal_(0, 0.2)
-    return capture(model)
+    return _capture_random(zoo_config(name), seed, dtype)
 
 
 def capture_zoo_model(name: str, seed: int = 0, dtype: torch.dtype = torch.float64) -> CapturedProgram:
