@@ -58,9 +58,12 @@ def check_plan(path, *, tensor_parallel_size, pipeline_parallel_size, data_paral
 
     if not isinstance(path, (str, os.PathLike)):
         raise TypeError(f"artifact path must be a str or os.PathLike, got {type(path).__name__}")
-    plan_file = Path(path) / PLAN_FILE
-    if plan_file.is_file():
-        recorded = json.loads(plan_file.read_text())
+    if (Path(path) / PLAN_FILE).is_file():
+        # a parallel artifact: its plan as rank 0's manifest records it (the manifest is what load_artifact
+        # trusts and verifies; parallel_plan.json is written for people and tools and never parsed here)
+        recorded = dict(read_manifest(rank_dir(path, 0))["settings"].get("parallel_plan") or {})
+        if not {"tp", "pp"} <= set(recorded):
+            raise ArtifactError(f"{rank_dir(path, 0)}: its manifest records no parallel plan; rebuild the artifact")
     else:
         st = read_manifest(path)["settings"]
         recorded = dict(st.get("parallel_plan") or ParallelPlan().identity())
@@ -85,8 +88,7 @@ def check_plan(path, *, tensor_parallel_size, pipeline_parallel_size, data_paral
     if recorded["tp"] * recorded["pp"] * dp == 1:
         return None
     return ParallelPlan(tp=recorded["tp"], pp=recorded["pp"], dp=dp,
-                        num_blocks_per_pp_stage=recorded.get("num_blocks_per_pp_stage"),
-                        placements=dict(recorded.get("placements") or {}))
+                        num_blocks_per_pp_stage=recorded.get("num_blocks_per_pp_stage"))
 
 
 def load_parallel(cls, path, plan: ParallelPlan, **load_kwargs):
