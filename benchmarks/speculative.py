@@ -62,7 +62,8 @@ def prompt_sets(llm) -> dict[str, list[list[int]]]:
     def ids(text: str) -> list[int]:
         msgs = [{"role": "user", "content": text}]
         if getattr(tok, "chat_template", None):
-            return tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            return tok(text, add_special_tokens=False)["input_ids"]
         return tok(text)["input_ids"]
 
     return {"quoting": [ids(p) for p in QUOTING], "chat": [ids(p) for p in CHAT]}
@@ -100,6 +101,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--draft", default=None, help="draft model (default: the target's checkpoint)")
     ap.add_argument("--draft-dtype", default="bfloat16")
+    ap.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra LLM(...) keyword of the draft, e.g. keep_gguf_quantization=true (the embedded "
+                         "Q4_1 weights natively) or quantize_lm_head=true; repeatable")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--ngram", default="[ngram]", help="'[ngram]' or '[ngram]:MIN:MAX'")
     ap.add_argument("--rounds", type=int, default=5)
@@ -116,7 +120,13 @@ def main() -> None:
     common = dict(max_seq_len_to_capture=args.max_seq_len)
     if args.cache_dir is not None:
         common["cache_dir"] = args.cache_dir
-    draft = LLM(args.draft or args.model, dtype=args.draft_dtype, skip_engine=True, **common)
+    draft_options = {}
+    for item in args.draft_option:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--draft-option expects KEY=VALUE, got {item!r}")
+        draft_options[key] = json.loads(value)
+    draft = LLM(args.draft or args.model, dtype=args.draft_dtype, skip_engine=True, **draft_options, **common)
     llm = LLM(args.model, dtype=args.dtype, speculative_model=draft, num_speculative_tokens=args.k, **common)
     speculators = {"plain": None,
                    "ngram": SpeculativeDecoder(NgramProposer(*_ngram_sizes(args.ngram)), SpeculativeConfig(args.k)),
@@ -147,7 +157,7 @@ def main() -> None:
                 "mean_accepted_length": 1 + c["accepted"] / c["verified_seqs"] if c["verified_seqs"] else None,
                 "greedy_equal_to_plain": outputs[name][mode] == outputs[name]["plain"]}
     res["setup"] = {"model": args.model, "dtype": args.dtype, "draft": args.draft or args.model,
-                    "draft_dtype": args.draft_dtype, "k": args.k, "rounds": args.rounds,
+                    "draft_dtype": args.draft_dtype, "draft_options": draft_options, "k": args.k, "rounds": args.rounds,
                     "max_tokens": args.max_tokens, "threads": args.threads, "torch": torch.__version__}
     print(json.dumps(res, indent=2))
 

@@ -334,7 +334,7 @@ class Sampler:
         tokens are never picked (their cumulative sum does not increase).
         """
         B = x.shape[0]
-        cum = logp.exp().cumsum(dim=-1)
+        cum = torch.softmax(x, dim=-1).cumsum(dim=-1)  # = logp.exp(), without exp's slow path for -inf
         u = torch.rand(B, 1, dtype=cum.dtype, device=cum.device)
         for i, row in enumerate(rows):
             if row.generator is not None and not plan.greedy[i]:
