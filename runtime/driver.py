@@ -12,6 +12,8 @@ from __future__ import annotations
 import queue
 import threading
 
+import torch
+
 from fxcompiler.outputs import RequestOutput
 
 from .engine import Engine
@@ -51,11 +53,15 @@ class EngineDriver:
             if not self._running:
                 self._running = True
                 if self._thread is None or not self._thread.is_alive():
-                    self._thread = threading.Thread(target=self._serve, name="fxcompiler-engine", daemon=True)
+                    self._thread = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
+                                                    name="fxcompiler-engine", daemon=True)
                     self._thread.start()
                 self._wake.set()
 
-    def _serve(self) -> None:
+    def _serve(self, threads: int) -> None:
+        # A new native thread starts with OpenMP's default team size (OMP_NUM_THREADS), not the
+        # creator's torch.set_num_threads(): the fxc kernels would run on fewer cores.
+        torch.set_num_threads(threads)
         while True:
             self._wake.wait()
             self._wake.clear()

@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, TypedDict
 
+import torch
+
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
 
@@ -274,7 +276,8 @@ class AsyncLLMEngine:
         elif self._loop is not loop:
             raise RuntimeError("an AsyncLLMEngine serves one event loop; it was first used from another")
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="fxcompiler-async-engine", daemon=True)
+            self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
+                                            name="fxcompiler-async-engine", daemon=True)
             self._thread.start()
 
     @property
@@ -293,7 +296,10 @@ class AsyncLLMEngine:
             self.engine.llm.shutdown()
 
     # -- the engine thread --------------------------------------------------------------------------
-    def _run(self) -> None:
+    def _run(self, threads: int) -> None:
+        # A new native thread starts with OpenMP's default team size (OMP_NUM_THREADS), not the
+        # creator's torch.set_num_threads() (`--threads`): the fxc kernels would run on fewer cores.
+        torch.set_num_threads(threads)
         eng = self.engine
         while True:
             with self._mu:
