@@ -137,6 +137,7 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
     calib = {"source": calib_source, "sha256": text_digest(calib_text), "num_samples": num_samples,
              "seq_len": seq_len, "read": algorithm != "rtn"}
     if algorithm == "gptq":
+        weights = None  # GPTQ works on the eager model's own weights
         result, how = _gptq(model_dir, config, calib_text, modules, module_scheme, gptq, num_samples, seq_len, seed,
                             progress)
         tensors = result.tensors
