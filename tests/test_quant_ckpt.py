@@ -104,13 +104,13 @@ def make_checkpoint(kind: str, base, path, seed: int = 0, **kw):
             group = args.get("group_size", -1) if args["strategy"] == "group" else -1
             n, k = w.shape
             q, z, s, exact[m] = _known(n, k, bits, group, sym, gen, torch.bfloat16 if bits == 8 else torch.float16)
-            off = 1 << (bits - 1)
-            tensors[f"{m}.weight_packed"] = pack_rows(q, bits)  # stored unsigned = signed + offset
+            # the format stores signed values plus 2^(bits-1): our unsigned q and z are those stored fields, and
+            # s·(q − z) is the same in either domain
+            tensors[f"{m}.weight_packed"] = pack_rows(q, bits)
             tensors[f"{m}.weight_scale"] = s
             tensors[f"{m}.weight_shape"] = torch.tensor([n, k], dtype=torch.int64)
             if not sym:
-                tensors[f"{m}.weight_zero_point"] = pack_cols(z, bits)  # signed z − ... + offset = z (unsigned)
-            assert off  # signed q = u − off, signed z = z − off: s·(q − z) is the same
+                tensors[f"{m}.weight_zero_point"] = pack_cols(z, bits)  # packed along N
     else:  # gptq (v1 / v2) or awq, 4-bit group 32
         group, sym = kw.get("group", 32), kw.get("sym", False)
         if kind == "awq":
