@@ -11,6 +11,8 @@ Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, m
 
     .venv/bin/python benchmarks/quantization.py [--schemes fp32,bf16,w8a32,w8a16,w4a32-g128,native-q4_1]
         [--model ID_OR_DIR] [--rounds 0]     # qformat-w8a16 / qformat-w4a16-g128: via `fxcompiler quantize`
+        # qformat-w4a16-g128-gptq / qformat-w8a16-gptq: `fxcompiler quantize --algorithm gptq`, calibrated on
+        # --calib-samples windows of --calib-seq-len tokens of the calibration half
 """
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fxcompiler.calibration import split_topics  # noqa: E402  (calibration / held-out halves)
 
 SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native-q4_1", "native-q4_1-q8head",
-           "qformat-w8a16", "qformat-w4a16-g128")  # qformat-*: a directory written by `fxcompiler quantize`
+           "qformat-w8a16", "qformat-w4a16-g128",  # qformat-*: a directory written by `fxcompiler quantize`
+           "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq")  # ...-gptq: with --algorithm gptq
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
            "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
 
@@ -100,6 +103,9 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="decode-speed rounds (0: accuracy only)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--calib-samples", type=int, default=64, help="GPTQ calibration windows (qformat-*-gptq)")
+    ap.add_argument("--calib-seq-len", type=int, default=256, help="GPTQ calibration window length in tokens")
+    ap.add_argument("--dry-run", action="store_true", help="check the arguments and exit (builds nothing)")
     args = ap.parse_args()
     from fxcompiler import LLM, ManualBucketConfig
 
@@ -107,6 +113,9 @@ def main() -> None:
     for s in schemes:
         if s not in SCHEMES:
             raise SystemExit(f"unknown scheme {s!r}; choose from {SCHEMES}")
+    if args.dry_run:
+        print("schemes:", ", ".join(schemes))
+        return
     _, held = split_topics()
     engines, results = {}, {}
     tmp = tempfile.TemporaryDirectory(prefix="fxc-quant-bench-")
@@ -116,8 +125,10 @@ def main() -> None:
         if s.startswith("qformat-"):  # quantize into a directory first, then load it as a model
             from fxcompiler.quantize_model import quantize_model
 
-            model = str(quantize_model(args.model, os.path.join(tmp.name, s), s.removeprefix("qformat-"),
-                                       progress=False))
+            scheme = s.removeprefix("qformat-").removesuffix("-gptq")
+            model = str(quantize_model(args.model, os.path.join(tmp.name, s), scheme,
+                                       algorithm="gptq" if s.endswith("-gptq") else "rtn",
+                                       num_samples=args.calib_samples, seq_len=args.calib_seq_len, progress=False))
         else:
             kw = llm_kwargs(s)
         engines[s] = LLM(model, max_seq_len_to_capture=args.window + 64,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 
-__all__ = ["calibration_text", "held_out_text", "split_topics", "text_digest"]
+__all__ = ["calibration_samples", "calibration_text", "held_out_text", "split_topics", "text_digest"]
 
 
 def split_topics() -> tuple[str, str]:
@@ -29,3 +29,24 @@ def held_out_text() -> str:
 
 def text_digest(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def calibration_samples(text: str, tokenizer, vocab_size: int, num_samples: int, seq_len: int, seed: int
+                        ) -> tuple[list, str]:
+    """``num_samples`` windows of ``seq_len`` token ids (``[1, seq_len]`` int64 tensors) from ``text`` at
+    offsets drawn with ``seed``, and how the text was tokenized. Without a tokenizer the text's UTF-8
+    bytes are the ids (modulo ``vocab_size``)."""
+    import torch
+
+    if tokenizer is not None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        how = f"tokenizer {type(tokenizer).__name__}"
+    else:
+        ids = [b % vocab_size for b in text.encode("utf-8")]
+        how = f"UTF-8 bytes modulo vocab_size={vocab_size} (the model has no tokenizer)"
+    if len(ids) <= seq_len:
+        raise ValueError(f"calibration text has {len(ids)} tokens, fewer than --seq-len {seq_len} + 1")
+    ids = torch.tensor(ids, dtype=torch.int64)
+    gen = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - seq_len, (num_samples,), generator=gen)
+    return [ids[int(s):int(s) + seq_len][None, :].clone() for s in starts], how

@@ -320,12 +320,14 @@ def pipeline_dot(data: dict) -> str:
 
 def cmd_quantize(args) -> int:
     """``fxcompiler quantize MODEL OUT --scheme ...`` (fxcompiler/quantize_model.py)."""
+    from .gptq import GPTQConfig
     from .llm import CACHE_DIR
     from .quantize_model import quantize_model
 
+    gptq = GPTQConfig(args.gptq_damp, args.gptq_block_size, args.gptq_act_order)
     out = quantize_model(args.model_pos, args.output, args.scheme, algorithm=args.algorithm,
                          calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
-                         seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR)
+                         seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR, gptq=gptq)
     print(f"quantized model: {out} (scheme {args.scheme}, {args.algorithm}); load it with LLM({str(out)!r})")
     return 0
 
@@ -381,7 +383,10 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
     qz.add_argument("output", metavar="OUT", help="directory to create (must not exist or be empty)")
     qz.add_argument("--scheme", required=True, help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 (w8a8, fp8, kv8: not built)")
-    qz.add_argument("--algorithm", default="rtn", help="rtn (gptq, smoothquant: not built)")
+    qz.add_argument("--algorithm", default="rtn", help="rtn | gptq (smoothquant: not built)")
+    qz.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ damping, a fraction of mean(diag H)")
+    qz.add_argument("--gptq-block-size", type=int, default=128, help="GPTQ lazy-update block (columns)")
+    qz.add_argument("--gptq-act-order", action="store_true", help="GPTQ columns by decreasing H[i, i] (static groups)")
     qz.add_argument("--calib-data", default=None, metavar="FILE",
                     help="calibration text (default: the calibration half of CPython's pydoc_data.topics)")
     qz.add_argument("--num-samples", type=int, default=128)

@@ -195,7 +195,7 @@ class LLM:
             raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {comp_supertask_kind!r}")
 
         # -- capabilities of later issues ------------------------------------------------------------
-        from .quant_options import directory_quantization_files, quantization_options
+        from .quant_options import directory_quantization_files, quantization_options, resolve_quant_checkpoint
 
         if qformat_path is None and qparam_path is None:  # a directory written by `fxcompiler quantize`
             qformat_path, qparam_path = directory_quantization_files(model)
@@ -204,6 +204,7 @@ class LLM:
                           keep_gguf_quantization=keep_gguf_quantization, quantize_lm_head=quantize_lm_head,
                           group_size=quantization_group_size)
         quantization_options(**quant_args, check_source=False)  # validate before loading anything
+        model, quant_args = resolve_quant_checkpoint(model, quant_args, cache_dir)  # compressed-tensors/GPTQ/AWQ
         from .speculative import parse_request
 
         spec_request = parse_request(

@@ -6,7 +6,8 @@ A safetensors file (or an ``.npz`` read with ``allow_pickle=False``) with, per q
 * ``M.weight_scale`` float32 ``[N, G]`` (``G = 1`` per channel): int8 ``w = s·q``; int4 ``w = s·q + m``;
 * ``M.weight_min`` float32 ``[N, G]``: int4 asymmetric only (Q4_1-style min; symmetric int4 has
   ``m = −8·s``);
-* ``M.qweight`` (optional): the codes, int8 ``[N, K]`` or uint8 ``[N, K]`` in [0, 15]; absent, the
+* ``M.qweight`` (optional): the codes, int8 ``[N, K]`` (−128 included, as compressed-tensors' symmetric
+  int8 has it) or uint8 ``[N, K]`` in [0, 15]; absent, the
   ``quantize`` pass rounds the checkpoint's float weight onto the given scales.
 
 Smoothing factors (``M.smooth_factor``) belong to W8A8 SmoothQuant, which is not implemented; a
@@ -153,7 +154,7 @@ class QParamSet:
             key = f"{m}.qweight"
             if key in self.tensors:
                 q = self._get(key, "codes")
-                lo, hi, dtype = (-127, 127, torch.int8) if weight == "int8" else (0, 15, torch.uint8)
+                lo, hi, dtype = (-128, 127, torch.int8) if weight == "int8" else (0, 15, torch.uint8)
                 if q.dtype != dtype or tuple(q.shape) != (r, k):
                     raise _err(self.path, f"tensor {key!r} is {q.dtype} {list(q.shape)}, expected {dtype} [{r}, {k}]")
                 if q.numel() and (int(q.min()) < lo or int(q.max()) > hi):

@@ -11,7 +11,9 @@
   tied ``token_embd``), as llama.cpp does; it is kept in float by default.
 * ``qformat_path`` (+ ``qparam_path``): per-module schemes and, optionally, their scales
   (:mod:`fxcompiler.qformat`, :mod:`fxcompiler.qparam`), cross-checked against ``llm_config``;
-* ``quant_ckpt_file_path``: not implemented (raises).
+* ``quant_ckpt_file_path`` (or a model directory whose config.json has a ``quantization_config``):
+  a pre-quantised compressed-tensors / GPTQ / AWQ checkpoint, unpacked by :mod:`fxcompiler.quant_ckpt`
+  into a qformat + qparam directory (:func:`resolve_quant_checkpoint`), then loaded like one.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from typing import Any
 
 from .quant_config import QDtype, QuantizationConfig, supported_reason
 
-__all__ = ["directory_quantization_files", "quantization_options"]
+__all__ = ["directory_quantization_files", "quantization_options", "resolve_quant_checkpoint"]
 
 QFORMAT_FILE, QPARAM_FILE = "qformat.yaml", "qparam.safetensors"
 
@@ -35,6 +37,39 @@ def directory_quantization_files(model) -> tuple[str | None, str | None]:
     return qformat, (qparam if os.path.isfile(qparam) else None)
 
 
+def resolve_quant_checkpoint(model, quant_args: dict[str, Any], cache_dir) -> tuple[Any, dict[str, Any]]:
+    """``(model, quant_args)`` with a pre-quantised checkpoint (``quant_ckpt_file_path``, or a model directory
+    whose config.json has a ``quantization_config``) replaced by its converted qformat + qparam directory."""
+    ckpt = quant_args.get("quant_ckpt_file_path")
+    model_dir = None
+    if isinstance(model, (str, os.PathLike)) and os.path.isfile(os.path.join(model, "config.json")):
+        model_dir = os.fspath(model)
+    if ckpt is None:
+        from .quant_ckpt import find_quantization_config
+
+        qc = find_quantization_config(model_dir) if model_dir is not None else None
+        if qc is None:
+            return model, quant_args
+        if quant_args.get("qformat_path") is not None:
+            raise ValueError(f"model={os.fspath(model)!r} is a pre-quantised checkpoint (quantization_config in "
+                             "config.json) and qformat_path is set; use one of them")
+        ckpt = model_dir
+    elif model_dir is None:  # a model id: its config and tokenizer, when it resolves to an HF-format directory
+        from .models.sources import resolve_model_source
+
+        try:
+            src = resolve_model_source(model)
+        except ValueError:
+            src = None  # the checkpoint's own config.json must do
+        model_dir = os.fspath(src.path) if src is not None and src.kind in ("hf_dir", "hf_cache") else None
+    from .quant_ckpt import convert_quant_checkpoint
+
+    out = convert_quant_checkpoint(ckpt, model_dir, cache_dir)
+    qformat, qparam = directory_quantization_files(out)
+    return os.fspath(out), {**quant_args, "quant_ckpt_file_path": None, "qformat_path": qformat,
+                            "qparam_path": qparam}
+
+
 def quantization_options(quantization_config: QuantizationConfig | None, *, qformat_path=None, qparam_path=None,
                          quant_ckpt_file_path=None, keep_gguf_quantization: bool = False,
                          quantize_lm_head: bool = False, group_size: int | None = None,
@@ -43,10 +78,17 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
     """``(options["quantization"] or None, auto_bfloat16_cast)`` for the given arguments
     (``check_source=False``: validate the arguments only, before the model is resolved)."""
     if quant_ckpt_file_path is not None:
-        raise NotImplementedError(
-            f"quant_ckpt_file_path={os.fspath(quant_ckpt_file_path)!r}: pre-quantised checkpoints (compressed-tensors, "
-            "GPTQ, AWQ packings) are not read yet; use qformat_path/qparam_path, llm_config=LLMConfig("
-            "quantization_config=...) for RTN, or keep_gguf_quantization=True for a GGUF's own blocks")
+        if not isinstance(quant_ckpt_file_path, (str, os.PathLike)):
+            raise TypeError(f"quant_ckpt_file_path must be a path, got {type(quant_ckpt_file_path).__name__}")
+        if not os.path.exists(quant_ckpt_file_path):
+            raise ValueError(f"quant_ckpt_file_path={os.fspath(quant_ckpt_file_path)!r} does not exist (a pre-quantised "
+                             "compressed-tensors / GPTQ / AWQ checkpoint: a directory or a .safetensors file)")
+        if qformat_path is not None or qparam_path is not None:
+            raise ValueError("quant_ckpt_file_path and qformat_path/qparam_path both set: a pre-quantised checkpoint "
+                             "brings its own codes and scales")
+        if check_source:
+            raise ValueError(f"quant_ckpt_file_path={os.fspath(quant_ckpt_file_path)!r} must be resolved with "
+                             "resolve_quant_checkpoint() first")
     qformat = None
     if qparam_path is not None and qformat_path is None:
         raise ValueError(f"qparam_path={os.fspath(qparam_path)!r} needs a qformat_path saying which modules it quantizes")

@@ -9,8 +9,9 @@ OUT holds the model's own files (config, tokenizer, float safetensors weights) p
 * ``quantization_recipe.json``: scheme, algorithm, seed, the calibration data's source and sha256,
   the qformat/qparam digests.
 
-Built: RTN (round to nearest) for ``w8a16`` (int8 per channel) and ``w4a16-g{32,64,128}`` (asymmetric
-int4 per group). GPTQ, SmoothQuant and the W8A8/FP8/KV8 schemes raise ``NotImplementedError``.
+Built: RTN (round to nearest) and GPTQ (:mod:`fxcompiler.gptq`, calibrated on ``--num-samples`` windows of
+``--seq-len`` tokens of the calibration text) for ``w8a16`` (int8 per channel) and ``w4a16-g{32,64,128}``
+(asymmetric int4 per group). SmoothQuant and the W8A8/FP8/KV8 schemes raise ``NotImplementedError``.
 """
 from __future__ import annotations
 
@@ -96,17 +97,23 @@ def _rtn(w: torch.Tensor, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
 
 def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm: str = "rtn",
                    calib_data: str | os.PathLike | None = None, num_samples: int = 128, seq_len: int = 512,
-                   seed: int = 0, cache_dir: str | os.PathLike | None = None, progress: bool = True) -> Path:
-    """Quantize ``model`` (id, HF directory or .gguf) into the directory ``out``; returns it."""
+                   seed: int = 0, cache_dir: str | os.PathLike | None = None, progress: bool = True,
+                   gptq: "GPTQConfig | None" = None) -> Path:
+    """Quantize ``model`` (id, HF directory or .gguf) into the directory ``out``; returns it
+    (``gptq``: GPTQ's damping / block size / act order, defaults 0.01 / 128 / off)."""
     from .calibration import calibration_text, text_digest
     from .models.loader import load_config, model_directory
     from .models.sources import resolve_model_source
 
     config_q, module_scheme = parse_scheme(scheme)
-    if algorithm in ("gptq", "smoothquant"):
-        raise NotImplementedError(f"--algorithm {algorithm} is not implemented yet (issue 17); built: rtn")
-    if algorithm != "rtn":
-        raise ValueError(f"--algorithm must be rtn (gptq, smoothquant: not built yet), got {algorithm!r}")
+    if algorithm == "smoothquant":
+        raise NotImplementedError("--algorithm smoothquant is not implemented yet (issue 17: it needs the W8A8 "
+                                  "kernels); built: rtn, gptq")
+    if algorithm not in ("rtn", "gptq"):
+        raise ValueError(f"--algorithm must be rtn or gptq (smoothquant: not built yet), got {algorithm!r}")
+    from .gptq import GPTQConfig
+
+    gptq = gptq if gptq is not None else GPTQConfig()
     for name, v in (("num_samples", num_samples), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {v!r}")
@@ -127,27 +134,60 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
         raise ValueError(f"{model_dir}: linear weights missing from the checkpoint, e.g. {missing[0]}.weight")
     torch.manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}
-    bar = _progress(modules, progress)
-    for m in bar:
-        for suffix, t in _rtn(weights[f"{m}.weight"], module_scheme).items():
-            tensors[f"{m}.{suffix}"] = t
+    calib = {"source": calib_source, "sha256": text_digest(calib_text), "num_samples": num_samples,
+             "seq_len": seq_len, "read": algorithm != "rtn"}
+    if algorithm == "gptq":
+        weights = None  # GPTQ works on the eager model's own weights
+        result, how = _gptq(model_dir, config, calib_text, modules, module_scheme, gptq, num_samples, seq_len, seed,
+                            progress)
+        tensors = result.tensors
+        calib["tokenized"] = how
+        ratios = [v["gptq"] / v["rtn"] for v in result.stats.values() if v["rtn"] > 0]
+        algo_record = {"damp": gptq.damp, "block_size": gptq.block_size, "act_order": gptq.act_order,
+                       "sequential": "decoder layer by decoder layer",
+                       "hessian_error_vs_rtn_mean": sum(ratios) / len(ratios) if ratios else None}
+    else:
+        bar = _progress(modules, progress)
+        for m in bar:
+            for suffix, t in _rtn(weights[f"{m}.weight"], module_scheme).items():
+                tensors[f"{m}.{suffix}"] = t
+        calib["note"] = "RTN reads no calibration data; the hash records what a calibrating algorithm would read"
+        algo_record = None
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         if f.is_file() and f.name not in (QFORMAT_FILE, QPARAM_FILE, RECIPE_FILE):
             shutil.copy2(f, out / f.name)
     write_qformat(out / QFORMAT_FILE, config_q, module_scheme, {},
                   {"weight_calib_method": "AMAX_SYM" if module_scheme.weight == "int8" else "MINMAX_ASYM",
-                   "algorithm": algorithm})
-    save_qparam(out / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm})
+                   "algorithm": algorithm, **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
+    save_qparam(out / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm,
+                                             **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
     recipe = {"scheme": scheme, "config": str(config_q), "algorithm": algorithm, "seed": seed,
               "module_scheme": module_scheme.to_dict(), "modules": len(modules), "source_model": source.model_id,
-              "calibration": {"source": calib_source, "sha256": text_digest(calib_text), "num_samples": num_samples,
-                              "seq_len": seq_len, "read": False,
-                              "note": "RTN reads no calibration data; the hash records what a calibrating "
-                                      "algorithm would read"},
+              "calibration": calib, **({"gptq": algo_record} if algo_record is not None else {}),
               "qformat_sha256": qparam_digest(out / QFORMAT_FILE), "qparam_sha256": qparam_digest(out / QPARAM_FILE)}
     (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     return out
+
+
+def _gptq(model_dir: Path, config, text: str, modules: list[str], scheme: ModuleScheme, gptq, num_samples: int,
+          seq_len: int, seed: int, progress: bool):
+    """GPTQ over the eager fp32 transformers model on the calibration windows."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from .calibration import calibration_samples
+    from .gptq import gptq_quantize_model
+    from .models.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    samples, how = calibration_samples(text, tokenizer, config.vocab_size, num_samples, seq_len, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    model.eval()
+    return gptq_quantize_model(model, samples, modules, scheme, gptq, progress=progress), how
 
 
 def _progress(items, enabled: bool):

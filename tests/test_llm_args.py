@@ -52,7 +52,7 @@ def test_device_parsing():
     (dict(artifacts_export_path=3), TypeError, "artifacts_export_path"),
     (dict(use_blockwise_compile="yes"), TypeError, "use_blockwise_compile"),
     (dict(qformat_path="q.yaml"), ValueError, "qformat_path='q.yaml' cannot be read"),
-    (dict(quant_ckpt_file_path="q.safetensors"), NotImplementedError, "pre-quantised checkpoints"),
+    (dict(quant_ckpt_file_path="q.safetensors"), ValueError, "quant_ckpt_file_path='q.safetensors' does not exist"),
     (dict(hf_overrides={"a": 1}, config={"b": 2}), ValueError, "hf_overrides"),
 ])
 def test_bad_and_not_yet_supported_arguments(kwargs, exc, match, tiny_models):

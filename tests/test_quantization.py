@@ -65,7 +65,7 @@ def test_unimplemented_schemes_raise_with_reason(cfg, match):
 def test_quantization_option_errors(tmp_path):
     with pytest.raises(ValueError, match="qformat_path=.*q.yaml' cannot be read"):
         quantization_options(None, qformat_path=tmp_path / "q.yaml")
-    with pytest.raises(NotImplementedError, match="quant_ckpt_file_path"):
+    with pytest.raises(ValueError, match="quant_ckpt_file_path=.*x' does not exist"):
         quantization_options(None, quant_ckpt_file_path=tmp_path / "x")
     with pytest.raises(ValueError, match="quantization_group_size"):
         quantization_options(QuantizationConfig.w_4_a_16(), group_size=33)
@@ -252,7 +252,7 @@ def test_quantize_pass_lm_head_option_and_errors():
      "quantized activations"),
     (dict(qformat_path="qformat.yaml"), ValueError, "qformat_path='qformat.yaml' cannot be read"),
     (dict(qparam_path="qparam.safetensors"), ValueError, "qparam_path='qparam.safetensors' needs a qformat_path"),
-    (dict(quant_ckpt_file_path="ckpt"), NotImplementedError, "pre-quantised checkpoints"),
+    (dict(quant_ckpt_file_path="ckpt"), ValueError, "quant_ckpt_file_path='ckpt' does not exist"),
     (dict(keep_gguf_quantization="yes"), TypeError, "keep_gguf_quantization must be a bool"),
     (dict(quantization_group_size=33, llm_config=LLMConfig(quantization_config=QuantizationConfig.w_4_a_16())),
      ValueError, "quantization_group_size"),

@@ -1,0 +1,339 @@
+"""GPTQ (Frantar et al., 2022): weight rounding that compensates each column's error on the columns not yet
+rounded, using the Hessian ``H = 2/n · Σ x xᵀ`` of the linear's calibration inputs.
+
+The algorithm is the reference one (as in the GPTQ repository, AutoGPTQ, gptqmodel and llm-compressor):
+dead input columns (``H[i, i] = 0``) are zeroed, ``H += damp · mean(diag H) · I`` (``damp`` 0.01 by default),
+``U = chol(H⁻¹)ᵀ`` (upper), then columns are rounded left to right in blocks of ``block_size`` (128): each
+column's error ``(w − ŵ) / U[i, i]`` is propagated with ``U[i, i:]`` inside the block, and the block's errors
+with ``U[block, rest]`` to the rest. The grids are fxcompiler's own (:mod:`fxcompiler.ops.quant_linear`):
+
+* int4 (``fxc::linear_w4``): per group of ``group_size`` columns a scale **and** a min (``ŵ = fl(s·q) + m``,
+  q in [0, 15]), found by RTN's formula on the group's current (already error-updated) weights when the
+  first column of the group is reached; symmetric int4 uses RTN's Q4_0 formula (``m = −8·s``);
+* int8 (``fxc::linear_w8``): a symmetric scale per output channel (``amax / 127``) from the unrounded weight.
+
+``act_order=True`` rounds columns in order of decreasing ``H[i, i]``; the groups stay the contiguous groups
+of the original column order (scales and mins found up front from the weight, as AutoGPTQ's
+``static_groups``), so the result keeps fxcompiler's layout (no ``g_idx``). It is off by default.
+
+With a diagonal Hessian nothing is propagated and GPTQ gives RTN's codes exactly.
+
+:func:`gptq_quantize_model` runs it over an eager transformers model layer by layer: the inputs of the first
+decoder layer are captured once, then for each layer forward hooks accumulate the Hessians of its linears
+from the layer's inputs, the linears are quantized, and the layer is run again with the quantized weights to
+give the next layer its inputs (so later layers see the quantized earlier ones).
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from .qformat import ModuleScheme
+
+__all__ = ["GPTQConfig", "GPTQResult", "gptq_quantize_model", "gptq_quantize_weight", "rtn_quantize_weight",
+           "dequantize_codes", "hessian_error"]
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """GPTQ's knobs: ``damp`` (fraction of mean(diag H) added to the diagonal), ``block_size`` (columns per
+    lazy-update block), ``act_order`` (columns by decreasing H[i, i])."""
+
+    damp: float = 0.01
+    block_size: int = 128
+    act_order: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.damp, float) and 0 < self.damp < 1):
+            raise ValueError(f"GPTQ damp must be a float in (0, 1), got {self.damp!r}")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"GPTQ block_size must be a positive int, got {self.block_size!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# the grids (exactly the RTN formulas of fxcompiler.ops.quant_linear / quantize_model._rtn)
+# ------------------------------------------------------------------------------------------------
+def _int4_params(wg: torch.Tensor, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scale [N], min [N])`` of one group ``wg [N, g]``."""
+    if symmetric:
+        idx = wg.abs().argmax(dim=1, keepdim=True)
+        scale = -torch.gather(wg, 1, idx).squeeze(1) / 8.0
+        return scale, -8.0 * scale
+    lo, hi = wg.amin(dim=1), wg.amax(dim=1)
+    return (hi - lo) / 15.0, lo
+
+
+def _int4_codes(w: torch.Tensor, s: torch.Tensor, m: torch.Tensor, symmetric: bool) -> torch.Tensor:
+    """Codes of columns ``w [N, c]`` on per-row ``s, m [N, 1]`` (RTN's rounding)."""
+    if symmetric:
+        safe = torch.where(s != 0, s, torch.ones_like(s))
+        return torch.clamp(torch.round(w / safe) + 8, 0, 15)
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    return torch.clamp(torch.round((w - m) / safe), 0, 15)
+
+
+def _int8_scale(w: torch.Tensor) -> torch.Tensor:
+    amax = w.abs().amax(dim=1, keepdim=True)
+    return torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+
+
+def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int
+                     ) -> torch.Tensor:
+    """``[N, K]`` fp32 values of codes: int8 ``s·q``; int4 ``fl(s·q) + m`` (the kernels' arithmetic)."""
+    k = codes.shape[1]
+    idx = torch.arange(k) // (k if group == -1 else group)
+    q = codes.to(torch.float32)
+    if mins is None:
+        return q * scales[:, idx]
+    return q * scales[:, idx] + mins[:, idx]
+
+
+def rtn_quantize_weight(w: torch.Tensor, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
+    """RTN of one ``[N, K]`` weight in the qparam layout (``qweight``, ``weight_scale``, ``weight_min``)."""
+    w = w.detach().to(torch.float32)
+    n, k = w.shape
+    if scheme.weight == "int8":
+        s = _int8_scale(w)
+        return {"weight_scale": s, "qweight": torch.clamp(torch.round(w / s), -127, 127).to(torch.int8)}
+    g = scheme.group_size
+    groups = -(-k // g)
+    codes, scales, mins = torch.empty(n, k), torch.empty(n, groups), torch.empty(n, groups)
+    for j in range(groups):
+        cols = w[:, j * g:(j + 1) * g]
+        s, m = _int4_params(cols, scheme.symmetric)
+        scales[:, j], mins[:, j] = s, m
+        codes[:, j * g:(j + 1) * g] = _int4_codes(cols, s[:, None], m[:, None], scheme.symmetric)
+    out = {"weight_scale": scales, "qweight": codes.to(torch.uint8)}
+    if not scheme.symmetric:
+        out["weight_min"] = mins
+    return out
+
+
+def _check_scheme(scheme: ModuleScheme, k: int) -> None:
+    if scheme.weight == "int8" and scheme.group_size != -1:
+        raise NotImplementedError("GPTQ int8 weights are per channel (group_size -1); grouped int8 GPTQ is not built")
+    if scheme.weight == "int4" and (scheme.group_size <= 0 or scheme.group_size % 2):
+        raise ValueError(f"GPTQ int4 needs a positive even group_size, got {scheme.group_size}")
+    if scheme.weight not in ("int8", "int4"):
+        raise ValueError(f"GPTQ quantizes int8 or int4 weights, got {scheme.weight!r}")
+
+
+def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, scheme: ModuleScheme,
+                         config: GPTQConfig = GPTQConfig()) -> dict[str, torch.Tensor]:
+    """GPTQ of one ``[N, K]`` weight with the ``[K, K]`` Hessian of its inputs; the qparam tensors
+    (``qweight``, ``weight_scale``, ``weight_min`` for asymmetric int4), like :func:`rtn_quantize_weight`."""
+    W = w.detach().to(torch.float32).clone()
+    n, k = W.shape
+    _check_scheme(scheme, k)
+    H = hessian.detach().to(torch.float32).clone()
+    if H.shape != (k, k):
+        raise ValueError(f"GPTQ: Hessian shape {tuple(H.shape)} does not match K={k}")
+    int8 = scheme.weight == "int8"
+    g = k if int8 else scheme.group_size
+    groups = -(-k // g)
+    dead = torch.diag(H) == 0
+    H[dead, dead] = 1.0
+    W[:, dead] = 0.0
+    scales, mins = torch.empty(n, groups), torch.empty(n, groups)
+    static = int8 or config.act_order  # params from the weight up front (int8: per channel, as GPTQ does)
+    if int8:
+        scales[:, 0:1] = _int8_scale(W)
+    elif config.act_order:
+        for j in range(groups):
+            s, m = _int4_params(W[:, j * g:(j + 1) * g], scheme.symmetric)
+            scales[:, j], mins[:, j] = s, m
+    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if config.act_order else torch.arange(k)
+    W, H = W[:, perm], H[perm][:, perm]
+    col_group = (perm // g)  # the (original, contiguous) group of each processed column
+    damp = config.damp * torch.mean(torch.diag(H))
+    H[range(k), range(k)] += damp
+    try:
+        L = torch.linalg.cholesky(H)
+        U = torch.linalg.cholesky(torch.cholesky_inverse(L), upper=True)
+    except torch.linalg.LinAlgError as exc:
+        raise ValueError(f"GPTQ: the damped Hessian is not positive definite (damp={config.damp}); raise the "
+                         "damping or use more calibration samples") from exc
+    Q = torch.zeros(n, k)
+    block = config.block_size if int8 or config.act_order else max(g, config.block_size // g * g)
+    for i1 in range(0, k, block):
+        i2 = min(i1 + block, k)
+        W1 = W[:, i1:i2].clone()
+        Q1 = torch.zeros_like(W1)
+        E1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            col = i1 + i
+            gi = int(col_group[col])
+            if not static and col % g == 0:  # a new group: its grid from the current (updated) weights
+                s, m = _int4_params(W1[:, i:i + g], scheme.symmetric)
+                scales[:, gi], mins[:, gi] = s, m
+            wcol = W1[:, i]
+            s = scales[:, gi]
+            if int8:
+                q = torch.clamp(torch.round(wcol / s), -127, 127)
+                deq = q * s
+            else:
+                m = mins[:, gi]
+                q = _int4_codes(wcol[:, None], s[:, None], m[:, None], scheme.symmetric)[:, 0]
+                deq = q * s + m
+            Q1[:, i] = q
+            err = (wcol - deq) / U1[i, i]
+            W1[:, i:] -= err[:, None] * U1[i, i:][None, :]
+            E1[:, i] = err
+        Q[:, i1:i2] = Q1
+        W[:, i2:] -= E1 @ U[i1:i2, i2:]
+    inv = torch.argsort(perm)
+    Q = Q[:, inv]
+    if int8:
+        return {"weight_scale": scales[:, :1].contiguous(), "qweight": Q.to(torch.int8)}
+    out = {"weight_scale": scales, "qweight": Q.to(torch.uint8)}
+    if not scheme.symmetric:
+        out["weight_min"] = mins
+    return out
+
+
+def hessian_error(w: torch.Tensor, tensors: dict[str, torch.Tensor], scheme: ModuleScheme,
+                  hessian: torch.Tensor) -> float:
+    """``tr(D H Dᵀ)`` for ``D = W − Ŵ`` (∝ ``‖WX − ŴX‖²`` over the calibration inputs)."""
+    group = -1 if scheme.weight == "int8" else scheme.group_size
+    d = (w.to(torch.float64) - dequantize_codes(tensors["qweight"], tensors["weight_scale"],
+                                                tensors.get("weight_min", None if scheme.weight == "int8"
+                                                            else -8.0 * tensors["weight_scale"]),
+                                                group).to(torch.float64))
+    return float(torch.einsum("nk,kl,nl->", d, hessian.to(torch.float64), d))
+
+
+# ------------------------------------------------------------------------------------------------
+# the sequential driver over an eager transformers model
+# ------------------------------------------------------------------------------------------------
+@dataclass
+class GPTQResult:
+    tensors: dict[str, torch.Tensor]  # qparam tensors of every module
+    stats: dict[str, dict[str, float]] = field(default_factory=dict)  # per module: gptq / rtn Hessian error
+    hessians: dict[str, torch.Tensor] = field(default_factory=dict)  # with keep_hessians=True
+    inputs_seen: int = 0
+
+
+class _Stop(Exception):
+    pass
+
+
+def _decoder_layers(model: torch.nn.Module, modules: list[str]) -> tuple[str, torch.nn.ModuleList]:
+    """The ModuleList of decoder layers holding the linears ``modules``."""
+    best = None
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) > 0:
+            inside = [m for m in modules if m.startswith(name + ".")]
+            if inside and (best is None or len(inside) > best[2]):
+                best = (name, mod, len(inside))
+    if best is None or best[2] != len(modules):
+        outside = [m for m in modules if best is None or not m.startswith(best[0] + ".")]
+        raise NotImplementedError(f"GPTQ runs decoder layer by decoder layer; linear {outside[0]!r} is outside the "
+                                  "model's decoder layers")
+    return best[0], best[1]
+
+
+def _accumulate(store: dict, name: str, last: dict):
+    """A forward hook adding ``xᵀx`` of the linear's input to ``store[name]`` (fp32 product per call, fp64 sum);
+    linears fed the same tensor (q/k/v, gate/up) share one product through ``last``."""
+    def hook(_mod, inputs, _out):
+        x = inputs[0].detach()
+        if last.get("x") is not x:
+            x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+            last.update(x=x, xtx=(x2.T @ x2).to(torch.float64), rows=x2.shape[0])
+        h, count = store.get(name, (None, 0))
+        store[name] = (last["xtx"] if h is None else h + last["xtx"], count + last["rows"])
+    return hook
+
+
+def gptq_quantize_model(model: torch.nn.Module, samples: list[torch.Tensor], modules: list[str],
+                        scheme: ModuleScheme, config: GPTQConfig = GPTQConfig(), *, progress: bool = True,
+                        keep_hessians: bool = False) -> GPTQResult:
+    """GPTQ every linear of ``modules`` (transformers' names) of the eager causal-LM ``model`` on the
+    calibration ``samples`` (``[1, L]`` token ids each), decoder layer after decoder layer. The model's
+    linear weights are replaced by their quantized values as it goes."""
+    prefix, layers = _decoder_layers(model, modules)
+    named = dict(model.named_modules())
+    captured: list[tuple[tuple, dict]] = []
+
+    def grab(_mod, args, kwargs):
+        captured.append((args, kwargs))
+        raise _Stop
+
+    handle = layers[0].register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            for ids in samples:
+                try:
+                    model(input_ids=ids, use_cache=False)
+                except _Stop:
+                    pass
+    finally:
+        handle.remove()
+    if len(captured) != len(samples):
+        raise RuntimeError("GPTQ: the first decoder layer was not reached for every calibration sample")
+    hidden = [a[0] if a else kw.pop("hidden_states") for a, kw in captured]
+    extra = [(a[1:], kw) for a, kw in captured]
+    result = GPTQResult({})
+    bar = _progress(len(modules), progress)
+    for li, layer in enumerate(layers):
+        lname = f"{prefix}.{li}"
+        mine = [m for m in modules if m.startswith(lname + ".")]
+        store: dict = {}
+        last: dict = {}
+        hooks = [named[m].register_forward_hook(_accumulate(store, m, last)) for m in mine]
+        try:
+            with torch.no_grad():
+                for h, (args, kw) in zip(hidden, extra):
+                    layer(h, *args, **kw)
+        finally:
+            for hk in hooks:
+                hk.remove()
+            last.clear()
+        for m in mine:
+            lin = named[m]
+            if m not in store:
+                raise RuntimeError(f"GPTQ: linear {m!r} was not called by its decoder layer")
+            xtx, count = store.pop(m)
+            H = (2.0 / count) * xtx
+            w = lin.weight.detach().to(torch.float32)
+            t = gptq_quantize_weight(w, H, scheme, config)
+            rtn = rtn_quantize_weight(w, scheme)
+            result.stats[m] = {"gptq": hessian_error(w, t, scheme, H), "rtn": hessian_error(w, rtn, scheme, H)}
+            if keep_hessians:
+                result.hessians[m] = H
+                result.stats[m]["weight"] = w.clone()  # the weight GPTQ saw (for tests)
+            for suffix, v in t.items():
+                result.tensors[f"{m}.{suffix}"] = v
+            group = -1 if scheme.weight == "int8" else scheme.group_size
+            mins = t.get("weight_min", None if scheme.weight == "int8" else -8.0 * t["weight_scale"])
+            with torch.no_grad():
+                lin.weight.copy_(dequantize_codes(t["qweight"], t["weight_scale"], mins, group).to(lin.weight.dtype))
+            bar.update(1)
+        with torch.no_grad():  # the next layer's inputs, through this layer's quantized weights
+            outs = []
+            for h, (args, kw) in zip(hidden, extra):
+                o = layer(h, *args, **kw)
+                outs.append(o[0] if isinstance(o, tuple) else o)
+            hidden = outs
+    bar.close()
+    result.inputs_seen = sum(int(s.numel()) for s in samples)
+    return result
+
+
+class _NoBar:
+    def update(self, _n):
+        pass
+
+    def close(self):
+        pass
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover - tqdm ships with huggingface_hub
+        return _NoBar()
+    return tqdm(total=total, desc="gptq", unit="module", file=sys.stderr, disable=not enabled)

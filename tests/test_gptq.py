@@ -1,0 +1,149 @@
+"""GPTQ (fxcompiler/gptq.py): with a diagonal Hessian it is RTN code for code (hypothesis); on a tiny llama,
+layer by layer over real calibration inputs, its reconstruction error ‖WX − ŴX‖ is at most RTN's for every
+linear; ``fxcompiler quantize --algorithm gptq`` writes a directory LLM(OUT) loads and generates with."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxcompiler.gptq import GPTQConfig, gptq_quantize_model, gptq_quantize_weight
+from fxcompiler.qformat import ModuleScheme
+from fxcompiler.quantize_model import _rtn
+
+SCHEMES = [ModuleScheme("int8", -1, True), ModuleScheme("int4", 32, False), ModuleScheme("int4", 64, False),
+           ModuleScheme("int4", 32, True)]
+
+
+def _dequant(t: dict, scheme: ModuleScheme, k: int) -> torch.Tensor:
+    """An independent dequantiser of the qparam tensors (float64)."""
+    q, s = t["qweight"].double(), t["weight_scale"].double()
+    if scheme.weight == "int8":
+        return q * s
+    idx = torch.arange(k) // scheme.group_size
+    m = t["weight_min"].double() if "weight_min" in t else -8.0 * s
+    return q * s[:, idx] + m[:, idx]
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 3), st.sampled_from(range(len(SCHEMES))), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_gptq_with_a_diagonal_hessian_is_rtn(n, blocks, which, act_order, seed):
+    scheme = SCHEMES[which]
+    k = 64 * blocks - (32 if blocks > 1 else 0)  # also K = 96, 160: g64's last group is shorter
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen)
+    diag = torch.rand(k, generator=gen) + 0.05  # any positive diagonal: nothing to propagate
+    got = gptq_quantize_weight(w, torch.diag(diag), scheme, GPTQConfig(block_size=64, act_order=act_order))
+    ref = _rtn(w, scheme)  # the RTN path `fxcompiler quantize --algorithm rtn` writes
+    assert got.keys() == ref.keys()
+    for key in ref:
+        assert got[key].dtype == ref[key].dtype and torch.equal(got[key], ref[key]), key
+    # and the bound RTN keeps: at most half a step per value (one step for symmetric int4 at its clamp)
+    step = ref["weight_scale"].double().abs()
+    if scheme.weight == "int4":
+        step = step.repeat_interleave(scheme.group_size, 1)[:, :k]
+    bound = step * (1.0 if scheme.symmetric and scheme.weight == "int4" else 0.5) + 1e-6
+    assert bool(((_dequant(got, scheme, k) - w.double()).abs() <= bound).all())
+
+
+def test_gptq_with_a_near_identity_hessian_stays_near_rtn():
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(16, 128, generator=gen)
+    a = torch.randn(128, 128, generator=gen)
+    scheme = ModuleScheme("int4", 32, False)
+    got = gptq_quantize_weight(w, torch.eye(128) + 1e-4 * (a @ a.T) / 128, scheme)
+    ref = _rtn(w, scheme)
+    # tiny off-diagonal terms move a value by at most one code, and only rarely
+    diff = (got["qweight"].int() - ref["qweight"].int()).abs()
+    assert int(diff.max()) <= 1 and float(diff.float().mean()) < 0.05
+    assert torch.allclose(got["weight_scale"], ref["weight_scale"], rtol=0, atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_model(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    return str(tiny_models["llama"]), AutoModelForCausalLM.from_pretrained(str(tiny_models["llama"]),
+                                                                           dtype=torch.float32)
+
+
+def test_gptq_beats_rtn_on_every_linear_of_a_tiny_llama(tiny_llama_model):
+    import copy
+
+    from fxcompiler.calibration import calibration_samples, calibration_text
+    from fxcompiler.quantize_model import _linear_modules
+
+    path, model = tiny_llama_model
+    modules = _linear_modules(model.config)
+    samples, _ = calibration_samples(calibration_text(), None, model.config.vocab_size, 4, 32, seed=0)
+    for scheme in (ModuleScheme("int4", 32, False), ModuleScheme("int8", -1, True)):
+        m = copy.deepcopy(model)
+        res = gptq_quantize_model(m, samples, modules, scheme, progress=False, keep_hessians=True)
+        assert sorted(res.hessians) == sorted(modules) and len(modules) == 14
+        for mod in modules:
+            w, h = res.stats[mod]["weight"].double(), res.hessians[mod].double()
+            k = w.shape[1]
+            gptq = {key: res.tensors[f"{mod}.{key}"] for key in ("qweight", "weight_scale", "weight_min")
+                    if f"{mod}.{key}" in res.tensors}
+            errs = {}
+            for name, t in (("gptq", gptq), ("rtn", _rtn(w.float(), scheme))):
+                d = w - _dequant(t, scheme, k)
+                errs[name] = float(torch.einsum("nk,kl,nl->", d, h, d))  # ∝ ‖(W − Ŵ) Xᵀ‖²
+            assert errs["gptq"] <= errs["rtn"], (scheme, mod, errs)
+            # the model now carries the quantized values (what the next layer's Hessians were taken with)
+            got = dict(m.named_modules())[mod].weight.double()
+            assert torch.allclose(got, _dequant(gptq, scheme, k), atol=1e-6)
+        assert res.inputs_seen == 4 * 32
+        # sequential: layer 0's Hessians are the float model's, layer 1's come from inputs through quantized layer 0
+        for mod, same in (("model.layers.0.self_attn.q_proj", True), ("model.layers.1.self_attn.q_proj", False)):
+            xs = []
+            hook = dict(model.named_modules())[mod].register_forward_hook(lambda _m, i, _o: xs.append(i[0]))
+            with torch.no_grad():
+                for ids in samples:
+                    model(input_ids=ids, use_cache=False)
+            hook.remove()
+            x = torch.cat([t.reshape(-1, t.shape[-1]) for t in xs]).double()
+            h_float = 2.0 / x.shape[0] * (x.T @ x)
+            assert torch.allclose(res.hessians[mod].double(), h_float, rtol=1e-5, atol=1e-5) == same, mod
+
+
+def test_quantize_cli_gptq_round_trip(tiny_models, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from fxcompiler import LLM, SamplingParams
+    from fxcompiler.cli import main
+    from fxcompiler.ops.quant_linear import unpack_int4
+
+    out = tmp_path / "gptq"
+    assert main(["quantize", str(tiny_models["llama"]), str(out), "--scheme", "w4a16-g32", "--algorithm", "gptq",
+                 "--num-samples", "4", "--seq-len", "32", "--seed", "7"]) == 0
+    assert "gptq" in capsys.readouterr().out
+    recipe = json.loads((out / "quantization_recipe.json").read_text())
+    assert recipe["algorithm"] == "gptq" and recipe["seed"] == 7 and recipe["modules"] == 14
+    assert recipe["gptq"]["damp"] == 0.01 and recipe["gptq"]["block_size"] == 128
+    assert recipe["gptq"]["act_order"] is False and recipe["gptq"]["hessian_error_vs_rtn_mean"] <= 1.0
+    calib = recipe["calibration"]
+    assert calib["read"] is True and len(calib["sha256"]) == 16 and calib["num_samples"] == 4
+    assert "algorithm gptq" in (out / "qformat.yaml").read_text().splitlines()[0]
+    qp = load_file(str(out / "qparam.safetensors"))
+    assert not torch.equal(qp["model.layers.1.mlp.down_proj.qweight"],
+                           _rtn(load_file(str(out / "model.safetensors"))["model.layers.1.mlp.down_proj.weight"],
+                                ModuleScheme("int4", 32, False))["qweight"])  # GPTQ's codes, not RTN's
+
+    llm = LLM(str(out), max_seq_len_to_capture=64, cache_dir=None)
+    info = next(h for h in llm.pass_history if h["pass"] == "quantize")
+    assert info["from_qparam"] == 8 and info["ops"] == {"w4": 8}
+    base = next(k for k in llm._build.params if "layers.1.mlp.down_proj" in k and k.endswith(".q"))[:-2]
+    q, s, m = unpack_int4(llm._build.params[base + ".q"], llm._build.params[base + ".scales"],
+                          llm._build.params[base + ".mins"], 64)
+    mod = "model.layers.1.mlp.down_proj"
+    assert torch.equal(q, qp[f"{mod}.qweight"]) and torch.equal(s, qp[f"{mod}.weight_scale"])
+    assert torch.equal(m, qp[f"{mod}.weight_min"])
+    outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                        prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
+    llm.shutdown()
