@@ -37,6 +37,7 @@ log = logging.getLogger("fxcompiler.capture")
 ATTN_IMPLEMENTATION = "fxc_encoder"
 _registered = False
 _current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fxc_encoder_inputs", default=None)
+_calls: contextvars.ContextVar[list | None] = contextvars.ContextVar("fxc_encoder_calls", default=None)
 
 
 @dataclass(frozen=True)
@@ -55,14 +56,23 @@ class EncoderGeometry(ModelGeometry):
 
 @contextlib.contextmanager
 def encoder_inputs(seq_lens: torch.Tensor):
-    """Within the block, ``fxc_encoder`` attention masks by ``seq_lens``; yields a dict whose ``calls``
-    counts the attention calls (every layer must make one)."""
-    state = {"seq_lens": seq_lens, "calls": 0}
-    token = _current.set(state)
+    """Within the block, ``fxc_encoder`` attention masks by ``seq_lens``."""
+    token = _current.set({"seq_lens": seq_lens})
     try:
-        yield state
+        yield
     finally:
         _current.reset(token)
+
+
+@contextlib.contextmanager
+def counting_attention_calls():
+    """Yields a list that gets one entry per ``fxc_encoder`` attention call made within the block."""
+    calls: list = []
+    token = _calls.set(calls)
+    try:
+        yield calls
+    finally:
+        _calls.reset(token)
 
 
 def fxc_encoder_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -73,7 +83,9 @@ def fxc_encoder_attention_forward(module, query, key, value, attention_mask, sca
     state = _current.get()
     if state is None:
         raise RuntimeError(f"{type(module).__name__}: fxc_encoder attention called outside the encoder capture")
-    state["calls"] += 1
+    calls = _calls.get()
+    if calls is not None:
+        calls.append(getattr(module, "layer_idx", None))
     seq_lens = state["seq_lens"]
     if softcap or s_aux is not None:
         raise NotImplementedError(f"{type(module).__name__}: attention soft-capping / sinks are not built for "
@@ -128,7 +140,6 @@ class EncoderWrapper(torch.nn.Module):
         self.model = model
         self.task = task
         self.decoder = decoder
-        self.trace = {"attention_calls": 0}  # attention calls of the last forward (a plain dict: no module state)
 
     def forward(self, input_ids, token_type_ids, seq_lens, pooling_weights):
         kwargs = {"input_ids": input_ids}
@@ -136,9 +147,8 @@ class EncoderWrapper(torch.nn.Module):
             kwargs["token_type_ids"] = token_type_ids
         if self.decoder:
             kwargs["use_cache"] = False
-        with encoder_inputs(seq_lens) as state:
+        with encoder_inputs(seq_lens):
             out = self.model(**kwargs)
-        self.trace["attention_calls"] = state["calls"]
         if self.task == QA:
             return torch.stack([out.start_logits, out.end_logits], dim=-1)
         if self.task == SCORE:
@@ -206,12 +216,12 @@ def capture_encoder(model: torch.nn.Module, task: str) -> CapturedProgram:
         t0 = time.perf_counter()
         from .models.rope import stateless_rope
 
-        with torch.no_grad(), stateless_rope(model):
+        with torch.no_grad(), stateless_rope(model), counting_attention_calls() as calls:
             ep = torch.export.export(wrapper, (), kwargs=args, dynamic_shapes=shapes, strict=False)
     finally:
         model.set_attn_implementation(previous)
     seconds = time.perf_counter() - t0
-    _check_attention_routed(model, wrapper.trace["attention_calls"], geometry.num_layers)
+    _check_attention_routed(model, len({c for c in calls if c is not None}) or len(calls), geometry.num_layers)
     log.info("exported %s (%s) in %.1fs (%d nodes)", type(model).__name__, task, seconds, len(ep.graph.nodes))
     return _program(ep, geometry, seconds)
 
@@ -231,6 +241,7 @@ def _program(ep, geometry: EncoderGeometry, seconds: float) -> CapturedProgram:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     user_names = iter(geometry.inputs)
     specs: list[InputSpec] = []
+    unused = []
     params: dict[str, torch.Tensor] = {}
     state = ep.state_dict
     for node, spec in zip(placeholders, ep.graph_signature.input_specs):
@@ -239,11 +250,18 @@ def _program(ep, geometry: EncoderGeometry, seconds: float) -> CapturedProgram:
             specs.append(InputSpec(node.name, "param", spec.target))
             params[spec.target] = value.detach()
         elif spec.kind == InputKind.USER_INPUT:
+            if spec.arg.name not in geometry.inputs:  # an input the task passes as None (export keeps a placeholder)
+                if node.users:
+                    raise RuntimeError(f"the captured graph reads {spec.arg.name}, which task {geometry.task} lacks")
+                unused.append(node)
+                continue
             specs.append(InputSpec(node.name, "user", next(user_names)))
         else:
             raise NotImplementedError(f"unsupported exported input kind {spec.kind} for {node.name}")
     if len(ep.graph_signature.output_specs) != 1:
         raise RuntimeError(f"expected one output, the export has {ep.graph_signature.output_specs}")
+    for node in unused:
+        gm.graph.erase_node(node)
     gm.graph._codegen = torch.fx.graph.CodeGen()
     gm.recompile()
     return CapturedProgram(gm, specs, params, geometry, seconds, {"nodes": len(gm.graph.nodes), "task": geometry.task})

@@ -26,6 +26,7 @@ CHECKS = {
     "pool_mean": "MEAN pooling",
     "pool_last": "LAST pooling",
     "normalize": "L2 normalisation",
+    "st_pooling": "sentence-transformers pooling config",
     "score_cosine": "cosine scores",
     "score_cross": "cross-encoder scores",
 }
@@ -71,8 +72,9 @@ def _qwen2():
 _CASES = [
     EncoderCase("bert_qa", "BertForQuestionAnswering", QA, "post-LN, GELU, token types, learned positions",
                 ("qa_logits", "qa_span"), _bert(architectures=["BertForQuestionAnswering"])),
-    EncoderCase("bert_embed", "BertModel", EMBED, "bidirectional attention, padding mask",
-                ("pool_cls", "pool_mean", "pool_last", "normalize", "score_cosine"),
+    EncoderCase("bert_embed", "BertModel", EMBED, "bidirectional attention, padding mask, sentence-transformers "
+                "MEAN + Normalize modules", ("st_pooling", "pool_cls", "pool_mean", "pool_last", "normalize",
+                                             "score_cosine"),
                 _bert(architectures=["BertModel"])),
     EncoderCase("bert_cross_encoder", "BertForSequenceClassification", SCORE, "pooler (dense + tanh), 1 label",
                 ("score_cross",), _bert(architectures=["BertForSequenceClassification"], num_labels=1)),
