@@ -38,11 +38,6 @@ def default_cache_dir() -> Path:
 CACHE_DIR = default_cache_dir()
 
 
-_ENCODER_TASKS = ("{what}: encoder task types (BERT question answering through bert_forward, embedding / scoring "
-                  "models through LLM.embed / LLM.score) are not implemented yet: the capture and the pipelines "
-                  "assume a causal decoder with a paged KV cache; only 'text-generation' models are supported")
-
-
 def _later(capability: str, issue: str) -> NotImplementedError:
     return NotImplementedError(f"{capability} is not implemented yet ({issue}); see the README's feature table")
 
@@ -132,6 +127,7 @@ class LLM:
         max_num_batched_tokens = kwargs.pop("max_num_batched_tokens", None)
         enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)  # vLLM's name; on by default
         keep_gguf_quantization = kwargs.pop("keep_gguf_quantization", False)  # docs/quantization.md
+        override_pooler_config = kwargs.pop("override_pooler_config", None)  # embedding models (docs/encoder-tasks.md)
         quantize_lm_head = kwargs.pop("quantize_lm_head", False)
         quantization_group_size = kwargs.pop("quantization_group_size", None)
         if not isinstance(enable_prefix_caching, bool):
@@ -146,8 +142,11 @@ class LLM:
             raise TypeError(f"LLM() got unexpected keyword arguments: {sorted(kwargs)}")
 
         # -- argument validation (every error names its argument) --------------------------------
-        if task_type not in (None, "text-generation"):
-            raise NotImplementedError(_ENCODER_TASKS.format(what=f"task_type={task_type!r}"))
+        from .encoder_tasks import ENCODER_TASKS, resolve_task
+
+        self.task = resolve_task(task_type, model)  # None: inferred from the checkpoint's class, as furiosa does
+        if override_pooler_config is not None and self.task not in ENCODER_TASKS:
+            raise ValueError("override_pooler_config is for embedding models (task_type='embed')")
         if tokenizer_mode not in ("auto", "slow"):
             raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {tokenizer_mode!r}")
         if not isinstance(hf_overrides, dict):
@@ -193,6 +192,14 @@ class LLM:
         self.devices = parse_devices(devices)
         if comp_supertask_kind not in (None, "fx", "dfg", "edf"):
             raise ValueError(f"comp_supertask_kind must be 'fx', 'dfg' or 'edf', got {comp_supertask_kind!r}")
+        if self.task in ENCODER_TASKS:  # question answering, embeddings, scoring: fxcompiler/encoder_llm.py
+            from .encoder_llm import init_encoder
+
+            self._device = self.devices[0].to_torch_device()
+            if self._device.type == "cuda" and not torch.cuda.is_available():
+                raise ValueError(f"devices={devices!r}: CUDA is not available on this machine")
+            init_encoder(self, self.task, llm_kwargs)
+            return
 
         # -- capabilities of later issues ------------------------------------------------------------
         from .quant_options import directory_quantization_files, quantization_options, resolve_quant_checkpoint
@@ -528,6 +535,9 @@ class LLM:
         return frozenset(ids)
 
     def _require_engine(self):
+        if not self.__dict__.get("is_generative_model", True):
+            raise ValueError(f"generate / chat / stream_generate need a text-generation model; this LLM's task is "
+                             f"{self.task!r} (use LLM.bert_forward, LLM.embed or LLM.score)")
         if getattr(self, "_shut_down", False):
             raise RuntimeError("this LLM was shut down (LLM.shutdown()); create a new LLM to generate")
         if self.engine is None:
@@ -672,17 +682,26 @@ class LLM:
         outputs = [results[r] for r in request_ids]
         return outputs[0] if single else outputs
 
-    def embed(self, prompts, *args, **kwargs):
-        """vLLM's pooled embeddings: not implemented (raises ``NotImplementedError`` naming the reason)."""
-        raise NotImplementedError(_ENCODER_TASKS.format(what="LLM.embed"))
+    def embed(self, prompts, pooling_params=None):
+        """vLLM's pooled embeddings of an embedding model (``task_type='embed'``): a list of
+        ``EmbeddingRequestOutput`` (``.outputs.embedding``); see docs/encoder-tasks.md."""
+        from .encoder_llm import embed
 
-    def score(self, text_1, text_2, *args, **kwargs):
-        """vLLM's cross-encoder / reranker scores: not implemented (raises ``NotImplementedError``)."""
-        raise NotImplementedError(_ENCODER_TASKS.format(what="LLM.score"))
+        return embed(self, prompts, pooling_params)
 
-    def bert_forward(self, prompts, contexts, *args, **kwargs):
-        """furiosa's BERT question answering: not implemented (raises ``NotImplementedError``)."""
-        raise NotImplementedError(_ENCODER_TASKS.format(what="LLM.bert_forward"))
+    def score(self, text_1, text_2):
+        """vLLM's scores of (text_1, text_2) pairs: a cross-encoder's relevance (``task_type='score'``) or the
+        cosine similarity of an embedding model's vectors; a list of ``ScoringRequestOutput`` (``.outputs.score``)."""
+        from .encoder_llm import score
+
+        return score(self, text_1, text_2)
+
+    def bert_forward(self, prompts, contexts, *, max_answer_len: int = 30):
+        """furiosa's BERT question answering (``task_type='question-answering'``): one ``RequestOutput`` per
+        (question, context) pair whose completion is the answer span (``.answer``: span and start/end logits)."""
+        from .encoder_llm import bert_forward
+
+        return bert_forward(self, prompts, contexts, max_answer_len)
 
     def chat(self, messages, sampling_params: SamplingParams = SamplingParams(),  # noqa: B008
              chat_template: str | None = None, chat_template_content_format: Literal["string"] = "string",
@@ -987,6 +1006,10 @@ class LLM:
         return list(self._build.context.history)
 
     def __repr__(self) -> str:
+        if not self.__dict__.get("is_generative_model", True):
+            from .encoder_llm import describe
+
+            return describe(self)
         return (f"LLM(model={self.model_id!r}, device={self._device}, buckets={len(self.buckets)}, "
                 f"kv_blocks={self.kv_cache_plan.num_blocks}x{self.kv_cache_plan.block_size})")
 

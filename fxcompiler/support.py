@@ -13,6 +13,12 @@ documentation never claims what the code does not do. What each column comes fro
 * *kernels*: the ``fxc`` ops left in the optimised float32 graph, with ``lower_cpu_kernels`` told that
   ``fxc::linear`` wins everywhere (the real build asks the autotuner per shape; a fixed answer keeps the
   table independent of machine load).
+
+The encoder-task table (between its own markers) comes from the facts of ``tests/test_encoder_tasks.py``:
+its parity column is rendered from the checks each case of ``fxcompiler.encoder_zoo`` lists, which that module
+runs one by one (it is parametrised over that list), and its fusion and kernel columns are those of the
+float64 builds the checks run on (the test compares the table with them; ``fxcompiler models`` redoes the same
+capture and passes). ``lower_cpu_kernels`` prepacks fp32/bf16 linears only, so ``fxc::linear`` is absent there.
 """
 from __future__ import annotations
 
@@ -81,6 +87,12 @@ def measure(name: str, dtype: torch.dtype = torch.float32) -> ArchitectureReport
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(zoo_config(name), dtype=dtype).eval()
     gm, ctx = optimise(capture(model), {}, [], {"kernel_tuner": _KernelAlwaysWins()})
+    entry = ZOO[name]
+    return ArchitectureReport(name, entry.model_class, entry.constructs, *_counts(gm, ctx))
+
+
+def _counts(gm, ctx) -> tuple[dict[str, int], dict[str, int]]:
+    """Rewrites per fusion pass (from the pass history) and fxc ops left in the graph."""
     fusions = {}
     for h in ctx.history:
         if h["pass"] in FUSION_PASSES:
@@ -88,8 +100,7 @@ def measure(name: str, dtype: torch.dtype = torch.float32) -> ArchitectureReport
             fusions[h["pass"]] = fusions.get(h["pass"], 0) + n
     kernels = collections.Counter(str(n.target).split(".")[1] for n in gm.graph.nodes
                                   if n.op == "call_function" and str(n.target).startswith("fxc."))
-    entry = ZOO[name]
-    return ArchitectureReport(name, entry.model_class, entry.constructs, fusions, dict(sorted(kernels.items())))
+    return fusions, dict(sorted(kernels.items()))
 
 
 def render(reports: list[ArchitectureReport]) -> str:
@@ -109,29 +120,109 @@ def support_table(names: list[str] | None = None) -> str:
     return render([measure(n) for n in (names or zoo_names())])
 
 
-def replace_in(text: str, table: str) -> str:
+# -- encoder tasks ----------------------------------------------------------------------------------------
+ENCODER_BEGIN, ENCODER_END = "<!-- encoder-table:begin -->", "<!-- encoder-table:end -->"
+ENCODER_LIMITS = {
+    "bert_qa": "attention is ATen SDPA (no fxc attention kernel); LayerNorm, GELU MLP: no fxc norm/MLP fusion",
+    "bert_embed": "attention is ATen SDPA (no fxc attention kernel); LayerNorm, GELU MLP: no fxc norm/MLP fusion",
+    "bert_cross_encoder": "attention is ATen SDPA (no fxc attention kernel); LayerNorm, GELU MLP: no fxc "
+                          "norm/MLP fusion",
+    "xlm_roberta_cross_encoder": "attention is ATen SDPA (no fxc attention kernel); LayerNorm, GELU MLP: no fxc "
+                                 "norm/MLP fusion",
+    "qwen2_embed": "attention is ATen SDPA over the padded batch (no paged KV cache, no fxc attention kernel); "
+                   "fp64: transformers' RMSNorm computes in fp32, a cast the rms_norm pattern does not match",
+}
+
+
+@dataclass
+class EncoderReport:
+    name: str
+    model_class: str
+    task: str
+    constructs: str
+    parity: str
+    fusions: dict[str, int] = field(default_factory=dict)
+    kernels: dict[str, int] = field(default_factory=dict)
+
+
+def encoder_report(name: str, ctx, gm) -> EncoderReport:
+    """The table row of encoder case ``name`` from a build's compile context (pass history) and optimised graph."""
+    from .encoder_zoo import ENCODER_ZOO, parity_text
+
+    case = ENCODER_ZOO[name]
+    return EncoderReport(name, case.model_class, case.task, case.constructs, parity_text(case), *_counts(gm, ctx))
+
+
+def measure_encoder(name: str, dtype: torch.dtype = torch.float64) -> EncoderReport:
+    """Capture the tiny encoder case ``name`` for its task as the tests build it (float64) and run the default
+    pipeline; count fusions and fxc ops."""
+    import transformers
+
+    from .encoder_build import _AUTO_CLASSES
+    from .encoder_capture import capture_encoder
+    from .encoder_zoo import ENCODER_ZOO, encoder_config
+    from .pipeline_builder import optimise
+
+    case = ENCODER_ZOO[name]
+    torch.manual_seed(0)
+    model = getattr(transformers, _AUTO_CLASSES[case.task]).from_config(encoder_config(name), dtype=dtype).eval()
+    gm, ctx = optimise(capture_encoder(model, case.task), {}, [], {"kernel_tuner": _KernelAlwaysWins()})
+    return encoder_report(name, ctx, gm)
+
+
+def render_encoders(reports: list[EncoderReport]) -> str:
+    rows = ["| case | transformers class | constructs | task | parity tested | fusions applied (count, 2 layers) "
+            "| fxc kernels in the graph | known limits |",
+            "|---|---|---|---|---|---|---|---|"]
+    for r in reports:
+        fused = ", ".join(f"{p} {n}" for p, n in r.fusions.items() if n) or "none"
+        kernels = ", ".join(f"{k} {n}" for k, n in r.kernels.items()) or "none"
+        rows.append(f"| {r.name} | {r.model_class} | {r.constructs} | {r.task} | {r.parity} | {fused} | {kernels} "
+                    f"| {ENCODER_LIMITS.get(r.name, '')} |")
+    return "\n".join([ENCODER_BEGIN, *rows, ENCODER_END])
+
+
+def encoder_table(names: list[str] | None = None) -> str:
+    from .encoder_zoo import encoder_names
+
+    return render_encoders([measure_encoder(n) for n in (names or encoder_names())])
+
+
+def replace_in(text: str, table: str, begin: str = BEGIN, end: str = END) -> str:
     """``text`` with the part between the markers replaced by ``table`` (which includes the markers)."""
-    start, end = text.index(BEGIN), text.index(END) + len(END)
-    return text[:start] + table + text[end:]
+    start, stop = text.index(begin), text.index(end) + len(end)
+    return text[:start] + table + text[stop:]
 
 
-def extract(text: str) -> str:
-    return text[text.index(BEGIN): text.index(END) + len(END)]
+def extract(text: str, begin: str = BEGIN, end: str = END) -> str:
+    return text[text.index(begin): text.index(end) + len(end)]
 
 
 def cmd_models(archs: list[str] | None, write: str | None, check: str | None) -> int:
-    """``fxcompiler models``: print the table; ``write``: put it into a file; ``check``: compare (1 if stale)."""
+    """``fxcompiler models``: print the tables (decoders, encoder tasks); ``write``: put them into a file;
+    ``check``: compare (1 if stale). ``archs`` selects zoo architectures and encoder cases by name."""
     from pathlib import Path
 
-    table = support_table(archs)
+    from .encoder_zoo import encoder_names
+
+    decoders = [a for a in archs or () if a not in encoder_names()]
+    encoders = [a for a in archs or () if a in encoder_names()]
+    tables = []
+    if not archs or decoders:
+        tables.append((support_table(decoders or None), BEGIN, END))
+    if not archs or encoders:
+        tables.append((encoder_table(encoders or None), ENCODER_BEGIN, ENCODER_END))
     if write:
         path = Path(write)
-        path.write_text(replace_in(path.read_text(), table))
+        text = path.read_text()
+        for table, begin, end in tables:
+            text = replace_in(text, table, begin, end)
+        path.write_text(text)
     if check:
-        current = extract(Path(check).read_text())
-        if current != table:
+        text = Path(check).read_text()
+        if any(extract(text, begin, end) != table for table, begin, end in tables):
             print(f"{check}: the support table is stale; regenerate with: fxcompiler models --write {check}")
             return 1
     if not (write or check):
-        print(table)
+        print("\n\n".join(t for t, _, _ in tables))
     return 0

@@ -20,3 +20,14 @@ def test_measure_counts_the_fusions_of_a_llama():
 def test_docs_table_matches_measurements():
     assert extract(DOC.read_text()) == support_table(), \
         "docs/models.md is stale: run `python -m fxcompiler.cli models --write docs/models.md`"
+
+
+def test_encoder_rows_claim_what_the_encoder_tests_check():
+    """The encoder table's parity column is the list of checks tests/test_encoder_tasks.py runs per case
+    (parametrised over fxcompiler.encoder_zoo); its measured columns are checked there, with its builds."""
+    from fxcompiler.encoder_zoo import ENCODER_ZOO, parity_text
+    from fxcompiler.support import ENCODER_BEGIN, ENCODER_END
+
+    rows = [line.split(" | ") for line in extract(DOC.read_text(), ENCODER_BEGIN, ENCODER_END).splitlines()[3:-1]]
+    assert [r[0].removeprefix("| ") for r in rows] == list(ENCODER_ZOO)
+    assert [r[4] for r in rows] == [parity_text(c) for c in ENCODER_ZOO.values()]

@@ -53,10 +53,12 @@ def test_no_causal_lm_class(tmp_path):
 
 
 def test_encoder_task_types_raise_naming_the_reason(tiny_models):
-    with pytest.raises(NotImplementedError, match=r"task_type='question-answering': encoder task types .* paged KV"):
+    """Encoder tasks are built for BERT-style checkpoints (tests/test_encoder_tasks.py); a decoder's QA head is not."""
+    with pytest.raises(UnsupportedModelError, match=r"^LlamaForCausalLM \(model_type 'llama'\) with task "
+                                                    r"'question-answering': encoder tasks are built for BERT"):
         LLM(str(tiny_models["llama"]), task_type="question-answering", cache_dir=None)
-    llm = LLM.__new__(LLM)  # the methods refuse before touching the instance (no build needed)
+    llm = LLM.__new__(LLM)  # a text-generation LLM: the methods refuse before touching the instance
     for call, match in ((lambda: llm.embed(["a"]), "LLM.embed"), (lambda: llm.score("a", "b"), "LLM.score"),
                         (lambda: llm.bert_forward(["q"], ["c"]), "LLM.bert_forward")):
-        with pytest.raises(NotImplementedError, match=rf"^{match}: encoder task types"):
+        with pytest.raises(ValueError, match=rf"^{match} needs an LLM built with .*this LLM's task is 'text-generation'"):
             call()

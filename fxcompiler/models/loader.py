@@ -158,8 +158,10 @@ def check_decoder_only(config) -> None:
                                                         and not getattr(config, "is_decoder", False)) \
             or (archs and all(a.endswith(_NOT_CAUSAL_HEADS) for a in archs)):
         raise ValueError(f"model type {model_type!r} ({', '.join(archs) or 'no architectures'}) is an encoder or "
-                         "encoder-decoder model; fxcompiler runs decoder-only causal language models "
-                         "(e.g. LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GPT2LMHeadModel)")
+                         "encoder-decoder model; fxcompiler generates with decoder-only causal language models "
+                         "(e.g. LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM, GPT2LMHeadModel); BERT, "
+                         "RoBERTa and XLM-R checkpoints run as encoder tasks: task_type='question-answering', "
+                         "'embed' or 'score' (docs/encoder-tasks.md)")
 
 
 def load_config(model_dir: Path, hf_overrides: dict[str, Any] | None, trust_remote_code: bool):
