@@ -23,14 +23,19 @@ pytestmark = pytest.mark.slow
 NAME = "tiny"
 KEY = "page-key"
 SYSTEM = "You are terse."
+LONG_CONTEXT = 4096
+LONG = 4000  # max tokens of the generation that Stop interrupts
 STATS = re.compile(r"(\d+) tokens · ([0-9.]+) tok/s · first token (\d+) ms")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-page")
-    model = save_tiny_chat_model(work / "model")
-    srv = start_server(model, work, served_name=NAME, api_key=KEY)
+    # greedy replies run to max tokens
+    model = save_tiny_chat_model(work / "model", never_eos=True, max_position_embeddings=LONG_CONTEXT)
+    # a 4096-token context: the long generation Stop cuts short runs for seconds even at ~600 tokens/s
+    srv = start_server(model, work, served_name=NAME, api_key=KEY,
+                       extra_flags=["--max-seq-len-to-capture", str(LONG_CONTEXT), "-db", f"1,{LONG_CONTEXT}"])
     yield srv
     code = srv.stop()
     assert code == 0, f"the server did not shut down cleanly on SIGTERM (exit {code}):\n{srv.log()}"
@@ -64,9 +69,9 @@ def wait_for(driver, predicate, timeout: float = 60.0, what: str = "condition"):
         if value:
             return value
         time.sleep(0.02)
-    pytest.fail(f"timed out after {timeout} s waiting for {what}; page status: "
-                f"{js(driver, 'return document.getElementById(\"status\").textContent')!r}, error: "
-                f"{js(driver, 'return document.getElementById(\"error\").textContent')!r}")
+    status, error = js(driver, "return [document.getElementById('status').textContent, "
+                               "document.getElementById('error').textContent]")
+    pytest.fail(f"timed out after {timeout} s waiting for {what}; page status: {status!r}, error: {error!r}")
 
 
 def fill(driver, element_id: str, value: str) -> None:
@@ -138,7 +143,7 @@ def test_streamed_answer_equals_the_api(page, client):
     m = STATS.search(status)
     assert m, f"no tokens/s shown: {status!r}"
     assert int(m.group(1)) == ref.usage.completion_tokens and float(m.group(2)) > 0, status
-    assert status.endswith(ref.choices[0].finish_reason), status
+    assert ref.choices[0].finish_reason == "length" and status.endswith("length"), status
     assert page.find_element(By.ID, "error").text == ""
     screenshot(page, "chat-page.png")
 
@@ -148,7 +153,7 @@ def test_stop_button_aborts_the_request(page, server):
     from selenium.webdriver.common.keys import Keys
 
     page.find_element(By.ID, "clear").click()
-    fill(page, "max-tokens", "400")
+    fill(page, "max-tokens", str(LONG))
     aborted = server.metrics().get("fxcompiler:request_success_total[abort]", 0.0)
     page.find_element(By.ID, "input").send_keys("Tell me a very long story about compilers.", Keys.ENTER)
     wait_for(page, last_answer, 120, "the first streamed tokens")
@@ -159,7 +164,7 @@ def test_stop_button_aborts_the_request(page, server):
     wait_for(page, lambda d: js(d, "return document.body.dataset.state") == "idle", 30, "the page to stop")
     assert js(page, "return document.querySelector('.msg.assistant .note').textContent") == "(stopped)"
     status = page.find_element(By.ID, "status").text
-    assert status.endswith("stopped") and int(STATS.search(status).group(1)) < 400, status
+    assert status.endswith("stopped") and int(STATS.search(status).group(1)) < LONG, status
     assert page.find_element(By.ID, "send").is_enabled() and not page.find_element(By.ID, "stop").is_enabled()
     text = last_answer(page)
 
