@@ -53,21 +53,35 @@ def _quant_kwargs(args) -> dict:
     return kw
 
 
+# What the CLI samples with when neither a flag nor the model's generation_config.json sets a field.
+CLI_SAMPLING_DEFAULTS = {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
-    p.add_argument("--max-tokens", type=int, default=max_tokens)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    """Sampling flags; unset ones come from the model's generation_config.json, else the defaults shown."""
+    src = "default: the model's generation_config.json, else"
+    p.add_argument("--max-tokens", type=int, default=None, help=f"({src} {max_tokens})")
+    p.add_argument("--temperature", type=float, default=None, help=f"({src} 0.0, greedy)")
+    p.add_argument("--top-p", type=float, default=None, help=f"({src} 1.0)")
+    p.add_argument("--top-k", type=int, default=None, help=f"({src} -1)")
+    p.add_argument("--min-p", type=float, default=None, help=f"({src} 0.0)")
+    p.add_argument("--repetition-penalty", type=float, default=None, help=f"({src} 1.0)")
+    p.set_defaults(default_max_tokens=max_tokens)
 
 
-def _sampling(args):
+def _sampling(args, generation_config=None):
+    """The flags' ``SamplingParams``: a flag wins, then ``generation_config`` (vLLM's behaviour), then the CLI's
+    defaults (``CLI_SAMPLING_DEFAULTS``, ``--max-tokens`` per command)."""
+    from .generation_defaults import generation_defaults
     from .sampling_params import SamplingParams
 
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, min_p=args.min_p, repetition_penalty=args.repetition_penalty,
-                          seed=args.seed)
+    model = generation_defaults(generation_config)
+    fallback = {**CLI_SAMPLING_DEFAULTS, "max_tokens": args.default_max_tokens}
+    values = {}
+    for name in (*CLI_SAMPLING_DEFAULTS, "max_tokens"):
+        flag = getattr(args, name)
+        values[name] = flag if flag is not None else model.get(name, fallback[name])
+    return SamplingParams(seed=args.seed, **values)
 
 
 def _make_llm(args):
@@ -91,7 +105,7 @@ def _make_llm(args):
 def cmd_generate(args) -> int:
     llm = _make_llm(args)
     prompts = args.prompt or DEFAULT_PROMPTS
-    sp = _sampling(args)
+    sp = _sampling(args, llm.generation_config)
     if args.chat_template:
         messages = [[{"role": "user", "content": p}] for p in prompts]
         t0 = time.perf_counter()
@@ -112,7 +126,7 @@ def cmd_chat(args) -> int:
     from .sampling_params import SamplingParams
 
     llm = _make_llm(args)
-    sp = _sampling(args)
+    sp = _sampling(args, llm.generation_config)
     history: list[dict] = []
     if args.system:
         history.append({"role": "system", "content": args.system})

@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
+bash scripts/setup_browser.sh  # chromium + chromedriver for the chat page's browser test
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 # One pytest-xdist worker per core (at most FXCOMPILER_TEST_WORKERS, default 2); a module's
 # tests stay on one worker so its module-scoped models are built once.

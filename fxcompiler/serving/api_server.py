@@ -1,7 +1,8 @@
 """``fxcompiler serve``: an OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``AsyncLLMEngine``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE streaming ending in ``[DONE]``,
-``stream_options.include_usage``), ``GET /v1/models``, ``/health``, ``/version``, ``/metrics``.
+``stream_options.include_usage`` / ``continuous_usage_stats``), ``GET /v1/models``, ``/health``,
+``/version``, ``/metrics``, and the chat page at ``/`` (``static/chat.html``).
 Errors use OpenAI's body with the status in ``code`` (validation → 400, unknown model → 404,
 not implemented → 501, dead engine → 503). A client that disconnects aborts its request.
 """
@@ -18,7 +19,7 @@ from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..engine_args import EngineArgs
 from .cli_args import add_serve_args  # noqa: F401 - re-exported
@@ -29,8 +30,21 @@ from .metrics import ServerMetrics
 from ..guided_decoding import GuidedDecodingParams
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, message_dicts
 from .tool_parsers import calls_from_forced, check_tools, forced_schema, parse_tool_calls
+from .tool_streaming import ToolCallStreamer
 
 log = logging.getLogger("fxcompiler.serving")
+
+
+# The page loads nothing from elsewhere: scripts and styles are inline, requests go to this server only.
+_PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
+             "img-src 'self' data:; base-uri 'none'; form-action 'none'")
+
+
+def chat_page() -> str:
+    """The chat page's HTML (``fxcompiler/serving/static/chat.html``, shipped as package data)."""
+    from importlib import resources
+
+    return resources.files(__package__).joinpath("static", "chat.html").read_text(encoding="utf-8")
 
 
 def _error(exc: OpenAIError) -> JSONResponse:
@@ -74,6 +88,12 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
     def check_model(model: str | None) -> None:
         if model is not None and model != name:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+
+    page = chat_page()
+
+    @app.get("/", include_in_schema=False)
+    async def index():
+        return HTMLResponse(page, headers={"Content-Security-Policy": _PAGE_CSP, "Cache-Control": "no-cache"})
 
     @app.get("/health")
     async def health():
@@ -209,7 +229,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
             prompts = [{"prompt_token_ids": list(x)} for x in p]
         else:
             raise OpenAIError("prompt must be a non-empty string, list of strings or token ids", param="prompt")
-        params = req.sampling_params(defaults, req.max_tokens if req.max_tokens is not None else 16, req.logprobs)
+        max_tokens = req.max_tokens if req.max_tokens is not None else defaults.get("max_tokens", 16)
+        params = req.sampling_params(defaults, max_tokens, req.logprobs)
         gens = await start(prompts, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -290,6 +311,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         if req.top_logprobs is not None and not req.logprobs:
             raise OpenAIError("top_logprobs needs logprobs=true", param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        if max_tokens is None:
+            max_tokens = defaults.get("max_tokens")  # None: up to the context
         params = req.sampling_params(defaults, max_tokens, (req.top_logprobs or 0) if req.logprobs else None)
         if forced is not None:
             try:
@@ -358,18 +381,41 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
 
     async def stream_chat(gens, rid, created, req, tools_mode="none", tool_choice=None):
         head = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": name}
-        for j in range(req.n):
-            yield "data: " + json.dumps({**head, "choices": [{"index": j, "delta": {"role": "assistant",
-                                                                                     "content": ""},
-                                                              "finish_reason": None, "logprobs": None}]}) + "\n\n"
+        continuous = bool(req.stream_options and req.stream_options.continuous_usage_stats)
         ptoks, completion = 0, 0
+
+        def event(choices: list[dict]) -> str:
+            chunk = {**head, "choices": choices}
+            if continuous:  # vLLM's continuous_usage_stats: the running usage in every chunk
+                chunk["usage"] = {"prompt_tokens": ptoks, "completion_tokens": completion,
+                                  "total_tokens": ptoks + completion}
+            return "data: " + json.dumps(chunk) + "\n\n"
+
+        for j in range(req.n):
+            yield event([{"index": j, "delta": {"role": "assistant", "content": ""}, "finish_reason": None,
+                          "logprobs": None}])
         held: dict[int, str] = {}
+        streamers: dict[int, ToolCallStreamer] = {}
         try:
             async for _, out in merged(gens):
                 ptoks = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion += len(c.token_ids)
-                    if tools_mode != "none":  # tool calls are parsed from the whole text: sent when it ends
+                    if tools_mode == "auto":  # tool-call deltas as the model writes them
+                        st = streamers.setdefault(c.index, ToolCallStreamer(tool_call_parser))
+                        deltas = st.feed(c.text) if c.text else []
+                        finish = None
+                        if c.finish_reason is not None:
+                            last, called = st.finish()
+                            deltas += last
+                            finish = "tool_calls" if called else _finish(c.finish_reason)
+                        for k, delta in enumerate(deltas):
+                            yield event([{"index": c.index, "delta": delta, "logprobs": None,
+                                          "finish_reason": finish if k == len(deltas) - 1 else None}])
+                        if finish is not None and not deltas:
+                            yield event([{"index": c.index, "delta": {}, "finish_reason": finish, "logprobs": None}])
+                        continue
+                    if tools_mode != "none":  # a forced call is parsed from the whole text: sent when it ends
                         held[c.index] = held.get(c.index, "") + c.text
                         if c.finish_reason is None:
                             continue
@@ -378,14 +424,14 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
                         if "tool_calls" in message:
                             delta["tool_calls"] = [{"index": k, **tc} for k, tc in enumerate(message["tool_calls"])]
                         choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": None}
-                        yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
+                        yield event([choice])
                         continue
                     if not c.text and c.finish_reason is None:
                         continue
                     choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
                               "finish_reason": _finish(c.finish_reason),
                               "logprobs": logprobs_chat(c, req.top_logprobs or 0) if req.logprobs else None}
-                    yield "data: " + json.dumps({**head, "choices": [choice]}) + "\n\n"
+                    yield event([choice])
             if req.stream_options and req.stream_options.include_usage:
                 yield "data: " + json.dumps({**head, "choices": [], "usage": {
                     "prompt_tokens": ptoks, "completion_tokens": completion,

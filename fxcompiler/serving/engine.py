@@ -48,11 +48,6 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped (an engine step raised, or the engine was shut down)."""
 
 
-# The generation_config fields vLLM takes as request defaults (``get_diff_sampling_param``).
-_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                        "repetition_penalty": "repetition_penalty"}
-
-
 class LLMEngine:
     """Synchronous engine API over an ``LLM``'s runtime engine (the caller drives ``step()``)."""
 
@@ -83,19 +78,11 @@ class LLMEngine:
         return self.llm.max_seq_len_to_capture
 
     def default_sampling_params(self) -> dict[str, Any]:
-        """Sampling defaults from the model's ``generation_config`` (vLLM's behaviour), as field → value."""
-        gc = getattr(self.llm, "generation_config", None)
-        out: dict[str, Any] = {}
-        if gc is None:
-            return out
-        for name, attr in _GENERATION_DEFAULTS.items():
-            value = getattr(gc, attr, None)
-            if value is None:
-                continue
-            if name == "top_k" and value == 50 and not getattr(gc, "do_sample", False):
-                continue  # transformers' class default, not something the model asks for
-            out[name] = value
-        return out
+        """Sampling defaults from the model's ``generation_config`` (vLLM's behaviour), as field -> value
+        (``max_tokens`` from its ``max_new_tokens``); empty when the model has no generation_config.json."""
+        from ..generation_defaults import generation_defaults
+
+        return generation_defaults(getattr(self.llm, "generation_config", None))
 
     # -- requests -----------------------------------------------------------------------------------
     def process_prompt(self, prompt: str | TokensPrompt, params: SamplingParams,

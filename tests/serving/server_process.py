@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +41,17 @@ class ServerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-4000:]
+
+    def metrics(self) -> dict[str, float]:
+        """``/metrics`` as name -> value (``name[reason]`` for ``request_success_total{finished_reason}``)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=30).text
+        out = {}
+        for line in text.splitlines():
+            m = re.match(r'^(fxcompiler:[a-z0-9_]+)(\{[^}]*\})? ([-+0-9.eE]+|NaN)$', line)
+            if m:
+                reason = re.search(r'finished_reason="([a-z]+)"', m.group(2) or "")
+                out[m.group(1) + (f"[{reason.group(1)}]" if reason else "")] = float(m.group(3))
+        return out
 
     def stop(self, timeout: float = 60.0) -> int:
         """SIGTERM (graceful shutdown), then the exit code; SIGKILL only when it does not exit in time."""

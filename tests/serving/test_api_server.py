@@ -107,6 +107,13 @@ def test_streaming_with_usage(client, llm):
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == want.finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want.token_ids)
     assert all(ch.usage is None for ch in chunks[:-1])
+    # vLLM's continuous_usage_stats (what the chat page counts tokens with): the running usage in every chunk
+    cont = list(client.chat.completions.create(model=NAME, messages=CHAT, max_tokens=16, temperature=0, stream=True,
+                                               extra_body={"stream_options": {"include_usage": True,
+                                                                              "continuous_usage_stats": True}}))
+    counts = [ch.usage.completion_tokens for ch in cont]
+    assert counts == sorted(counts) and counts[-1] == len(want.token_ids) and len(set(counts)) > 2, counts
+    assert "".join(ch.choices[0].delta.content or "" for ch in cont if ch.choices) == want.text
     ref = llm.generate(PROMPTS[0], greedy(16)).outputs[0]
     cchunks = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                              stream=True, stream_options={"include_usage": True}))
@@ -236,17 +243,64 @@ def test_tools(client):
     (call,) = auto.choices[0].message.tool_calls
     assert auto.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), TOOLS[0]["function"]["parameters"])
+    # streamed: content, then the call's header (id, name), then its arguments piece by piece
+    hermes = r"Sure\. " + hermes
+    whole = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=100, temperature=0,
+                                           extra_body={"guided_regex": hermes}).choices[0]
     chunks = list(client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=100,
                                                  temperature=0, stream=True, extra_body={"guided_regex": hermes}))
-    streamed = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or ())]
-    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == [
-        (call.function.name, call.function.arguments)]
+    assert_streamed_calls(chunks, whole)
     # auto without a call in the output: plain content
     plain = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=8, temperature=0)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
     none = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, tool_choice="none", max_tokens=8,
                                           temperature=0)
     assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+def assert_streamed_calls(chunks, whole, min_pieces: dict[int, int] | None = None) -> None:
+    """The stream's content and tool-call deltas assemble into the non-streamed message ``whole``; each call's
+    arguments came in more than one piece (``min_pieces``: call index -> fewer allowed, e.g. ``{}``)."""
+    deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or ())]
+    calls: dict[int, dict] = {}
+    for tc in deltas:
+        c = calls.setdefault(tc.index, {"id": None, "name": "", "arguments": "", "pieces": 0})
+        if tc.id:
+            assert c["id"] is None and tc.type == "function" and tc.function.arguments == "", tc  # the header
+            c["id"] = tc.id
+        assert c["id"], f"arguments before the header: {tc}"
+        c["name"] += tc.function.name or ""
+        c["arguments"] += tc.function.arguments or ""
+        c["pieces"] += bool(tc.function.arguments)
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
+        (t.function.name, t.function.arguments) for t in whole.message.tool_calls]
+    for k, c in calls.items():  # arguments came as the model wrote them
+        assert c["pieces"] >= (min_pieces or {}).get(k, 2), calls
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == (whole.message.content or "")
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls" == whole.finish_reason
+
+
+def test_streamed_tool_calls_llama3_json(llm):
+    """``--tool-call-parser llama3_json``: an in-process app on the reference LLM, driven by the openai client."""
+    from fastapi.testclient import TestClient
+
+    from fxcompiler.serving import AsyncLLMEngine, LLMEngine
+    from fxcompiler.serving.api_server import build_app
+
+    two_calls = (r'<\|python_tag\|>\{"name": "get_weather", "parameters": \{"city": "[a-z]{1,6}", "days": [1-7]\}\}; '
+                 r'\{"name": "now", "parameters": \{\}\}')
+    ask = [{"role": "user", "content": "Weather in Paris, and the time?"}]
+    engine = AsyncLLMEngine(LLMEngine(llm))
+    try:
+        with TestClient(build_app(engine, model_name=NAME, tool_call_parser="llama3_json")) as http:
+            local = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+            kw = dict(model=NAME, messages=ask, tools=TOOLS, max_tokens=100, temperature=0,
+                      extra_body={"guided_regex": two_calls})
+            whole = local.chat.completions.create(**kw).choices[0]
+            assert [t.function.name for t in whole.message.tool_calls] == ["get_weather", "now"]
+            assert_streamed_calls(list(local.chat.completions.create(stream=True, **kw)), whole, min_pieces={1: 1})
+    finally:
+        engine.shutdown()
 
 
 def _malformed() -> list[tuple[str, object, int]]:

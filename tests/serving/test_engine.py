@@ -16,12 +16,16 @@ from .tiny_chat_model import save_tiny_chat_model
 pytestmark = pytest.mark.slow
 
 BUCKETS = dict(prefill_buckets=[(1, 64), (4, 64)], decode_buckets=[(1, 128), (16, 128)])
+# the model's generation_config.json and the SamplingParams defaults it means (tests/test_generation_defaults.py)
+GEN_CONFIG = {"temperature": 1.0, "top_k": 3, "top_p": 0.9, "repetition_penalty": 1.05, "max_new_tokens": 6}
+GEN_DEFAULTS = {"temperature": 1.0, "top_k": 3, "top_p": 0.9, "repetition_penalty": 1.05, "max_tokens": 6}
 PROMPTS = ["def foo(x): return", "The class statement", "import sys", "for i in range(10):", "while True:"]
 
 
 @pytest.fixture(scope="module")
 def engine_args(tmp_path_factory):
-    path = save_tiny_chat_model(tmp_path_factory.mktemp("tinychat") / "model")
+    # a sampling generation_config.json: test_generation_config_defaults_* (the other tests set every field)
+    path = save_tiny_chat_model(tmp_path_factory.mktemp("tinychat") / "model", generation_config=GEN_CONFIG)
     return EngineArgs(model=str(path), max_seq_len_to_capture=128, cache_dir=str(tmp_path_factory.mktemp("c")),
                       **BUCKETS)
 
@@ -168,3 +172,49 @@ def test_stream_generate_yields_every_completion(llm):
     text = "".join(asyncio.run(stream()))
     assert text == ref.outputs[0].text + ref.outputs[1].text
     assert ref.outputs[1].text and len(text) > len(ref.outputs[0].text)
+
+
+def _text(llm, prompt: str, **kw) -> str:
+    return llm.generate([prompt], SamplingParams(**kw))[0].outputs[0].text
+
+
+def test_generation_config_defaults_in_cli_generate(llm, monkeypatch, capsys):
+    """``fxcompiler generate`` without sampling flags samples with the model's generation_config.json;
+    flags win (the flag/config/default order itself: tests/test_generation_defaults.py)."""
+    from fxcompiler import cli
+
+    monkeypatch.setattr(cli, "_make_llm", lambda args: llm)  # this module's model
+    assert cli.main(["generate", "-p", PROMPTS[0], "--seed", "11"]) == 0
+    assert f"### {PROMPTS[0]}\n{_text(llm, PROMPTS[0], **GEN_DEFAULTS, seed=11)}\n" in capsys.readouterr().out
+    assert cli.main(["generate", "-p", PROMPTS[0], "--temperature", "0", "--max-tokens", "5"]) == 0
+    greedy5 = _text(llm, PROMPTS[0], **{**GEN_DEFAULTS, "temperature": 0.0, "max_tokens": 5})
+    assert f"### {PROMPTS[0]}\n{greedy5}\n" in capsys.readouterr().out
+
+
+def test_generation_config_defaults_in_the_server(llm):
+    """A request's unset sampling fields and max_tokens come from generation_config.json; set ones win."""
+    from fastapi.testclient import TestClient
+
+    from fxcompiler.serving.api_server import build_app
+
+    engine = AsyncLLMEngine(LLMEngine(llm))
+    assert engine.engine.default_sampling_params() == GEN_DEFAULTS
+    try:
+        with TestClient(build_app(engine, model_name="m")) as http:
+            def complete(**body):
+                r = http.post("/v1/completions", json={"prompt": PROMPTS[0], "ignore_eos": True, **body})
+                assert r.status_code == 200, r.text
+                return r.json()
+
+            out = complete(seed=5)  # every sampling field and max_tokens (6, not 16) from the file
+            assert out["usage"]["completion_tokens"] == 6
+            assert out["choices"][0]["text"] == _text(llm, PROMPTS[0], **GEN_DEFAULTS, seed=5, ignore_eos=True)
+            out = complete(temperature=0.0, max_tokens=4)  # what the request sets wins
+            assert out["usage"]["completion_tokens"] == 4
+            assert out["choices"][0]["text"] == _text(llm, PROMPTS[0], **{**GEN_DEFAULTS, "temperature": 0.0,
+                                                                          "max_tokens": 4}, ignore_eos=True)
+            r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                        "ignore_eos": True, "seed": 1})
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
+    finally:
+        engine.shutdown()

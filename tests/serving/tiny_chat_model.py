@@ -14,7 +14,10 @@ def _corpus() -> list[str]:
     return [t for t in topics.topics.values()][:200]
 
 
-def save_tiny_chat_model(path: str | Path, seed: int = 0, generation_config: dict | None = None) -> Path:
+def save_tiny_chat_model(path: str | Path, seed: int = 0, generation_config: dict | None = None,
+                         never_eos: bool = False, max_position_embeddings: int = 512) -> Path:
+    """Save the model and tokenizer to ``path``; ``never_eos``: its eos logit is always 0 (a zero ``lm_head``
+    row), so greedy decoding never ends a reply early (the other 500+ random logits always hold a larger one)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -30,7 +33,7 @@ def save_tiny_chat_model(path: str | Path, seed: int = 0, generation_config: dic
                                      pad_token="</s>", clean_up_tokenization_spaces=False)
     hf_tok.chat_template = CHAT_TEMPLATE
     cfg = LlamaConfig(vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                       bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
                       pad_token_id=hf_tok.pad_token_id)
     torch.manual_seed(seed)
@@ -39,6 +42,8 @@ def save_tiny_chat_model(path: str | Path, seed: int = 0, generation_config: dic
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0, 0.15)
+        if never_eos:
+            model.lm_head.weight[cfg.eos_token_id].zero_()
     model.save_pretrained(path)
     hf_tok.save_pretrained(path)
     gc = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, **(generation_config or {})}
