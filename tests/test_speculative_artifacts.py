@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fxcompiler import LLM, ManualBucketConfig
+from fxcompiler import LLM, ManualBucketConfig, cli
 from fxcompiler.artifacts import ArtifactError, manifest_sha256
 from fxcompiler.integrity import sha256_file
 from tests.conftest import save_tiny_model
@@ -97,7 +97,7 @@ def test_artifact_carries_the_draft_and_loads_speculating(saved, cache_dir):
     assert on.num_speculative_tokens == 2 and on.speculative_llm.geometry.num_layers == 1
 
 
-def test_overrides_and_the_ngram_proposer_recorded(saved, tiny_models, cache_dir, tmp_path):
+def test_overrides_and_the_ngram_proposer_recorded(saved, tiny_models, cache_dir, tmp_path, capsys):
     path, ref, counts = saved
     # an LLM override: the draft artifact loaded on its own, drafting for the target
     draft = LLM.load_artifact(path / DRAFT, cache_dir=cache_dir, skip_engine=True)
@@ -111,10 +111,13 @@ def test_overrides_and_the_ngram_proposer_recorded(saved, tiny_models, cache_dir
     assert llm.speculative_llm is None and llm.num_speculative_tokens == 2
     assert _tokens(llm) == ref and llm.engine.stats.spec_accepted_tokens > 0
     llm.shutdown()
-    # an LLM with the n-gram proposer records it (and its sizes), with no model files
+    # `fxcompiler build --speculative-model '[ngram]:2:3'` records the proposer and its sizes, no model files
     ng = tmp_path / "ngram"
-    make_llm(tiny_models["llama"], cache_dir, bucket_config=BUCKETS, speculative_model="[ngram]:2:3",
-             num_speculative_tokens=2, skip_engine=True, artifacts_export_path=ng)
+    argv = ["build", str(tiny_models["llama"]), str(ng), "--dtype", "float64", "--max-seq-len-to-capture", "128",
+            "-pb", "1,128", "-db", "1,128", "-db", "8,128", "--cache-dir", str(cache_dir),
+            "--speculative-model", "[ngram]:2:3", "--num-speculative-tokens", "2"]
+    assert cli.main(argv) == 0
+    assert "speculative: [ngram]:2:3, num_speculative_tokens=2" in capsys.readouterr().out
     assert _manifest(ng)["speculative"] == {"method": "ngram", "model": "[ngram]:2:3", "num_speculative_tokens": 2}
     assert not (ng / DRAFT).exists()
     llm = _load(ng, cache_dir)
