@@ -281,6 +281,10 @@ def cmd_inspect(args) -> int:
     print(f"params: {m['params']['file']} ({m['params']['format']}), {m['params']['bytes'] / 2**20:.1f} MiB on device "
           f"{', '.join(m['parallel']['devices'])}")
     print(f"quantization: {_scheme_text(st.get('quantization'))}")
+    sp = m.get("speculative")
+    if isinstance(sp, dict):  # docs/speculative.md
+        where = f"{sp.get('model_id')} in {sp.get('path')}/" if sp.get("method") == "draft_model" else sp.get("model")
+        print(f"speculative: {sp.get('method')} {where}, num_speculative_tokens {sp.get('num_speculative_tokens')}")
     print(f"passes: {' -> '.join(p['pass'] for p in m['passes'])}")
     print(f"files: {len(m['files'])}, {total / 2**20:.1f} MiB")
     if args.dot:

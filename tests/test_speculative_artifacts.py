@@ -68,11 +68,14 @@ def saved(tiny_models, cache_dir, tmp_path_factory):
     return path, tokens, counts
 
 
-def test_artifact_carries_the_draft_and_loads_speculating(saved, cache_dir):
+def test_artifact_carries_the_draft_and_loads_speculating(saved, cache_dir, capsys):
     path, ref, (proposed, accepted) = saved
     m = _manifest(path)
     assert m["speculative"]["method"] == "draft_model" and m["speculative"]["path"] == DRAFT
     assert m["speculative"]["num_speculative_tokens"] == K
+    assert cli.main(["inspect", str(path), "--verify"]) == 0
+    assert f"speculative: draft_model {m['speculative']['model_id']} in {DRAFT}/, num_speculative_tokens {K}" \
+        in capsys.readouterr().out
     inner = _manifest(path / DRAFT)
     assert "speculative" not in inner and inner["geometry"]["num_layers"] == 1
     # the target's file list covers every file of the draft (one verification, one allow-list digest)
