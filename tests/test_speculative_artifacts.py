@@ -13,21 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from fxcompiler import LLM, ManualBucketConfig, cli
+from fxcompiler import LLM, ManualBucketConfig, SamplingParams, cli
 from fxcompiler.artifacts import ArtifactError, manifest_sha256
 from fxcompiler.integrity import sha256_file
 from tests.conftest import save_tiny_model
 from tests.test_speculative import GREEDY, K, PROMPTS, all_free, make_llm, run_checked
 
+SHORT = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 BUCKETS = ManualBucketConfig([(1, 128)], [(1, 128), (8, 128)])
 DRAFT = "speculative_model"
 
 
-def _tokens(llm) -> list[list[int]]:
+def _tokens(llm, sp=GREEDY) -> list[list[int]]:
     """Greedy tokens of the 8 prompts in one batch (speculating: block invariants checked every step)."""
     if llm.engine.speculator is None:
-        return [o.outputs[0].token_ids for o in llm.generate(None, GREEDY, prompt_token_ids=PROMPTS)]
-    tokens = [o.outputs[0].token_ids for o in run_checked(llm, PROMPTS, GREEDY)]
+        return [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=PROMPTS)]
+    tokens = [o.outputs[0].token_ids for o in run_checked(llm, PROMPTS, sp)]
     all_free(llm)
     return tokens
 
@@ -60,6 +61,7 @@ def saved(tiny_models, cache_dir, tmp_path_factory):
     draft = save_tiny_model(root / "draft-model", "llama", seed=1, num_hidden_layers=1)
     path = root / "artifact"
     llm = make_llm(tiny_models["llama"], cache_dir, bucket_config=BUCKETS, speculative_model=str(draft),
+                   paged_attention_block_size=16,  # `fxcompiler build`'s default: its build below hits the caches
                    speculative_model_bucket_config=BUCKETS, num_speculative_tokens=K, artifacts_export_path=path)
     tokens = _tokens(llm)
     st = llm.engine.stats
@@ -101,13 +103,13 @@ def test_artifact_carries_the_draft_and_loads_speculating(saved, cache_dir, caps
 
 
 def test_overrides_and_the_ngram_proposer_recorded(saved, tiny_models, cache_dir, tmp_path, capsys):
-    path, ref, counts = saved
+    path, ref, _ = saved
+    short = [r[:SHORT.max_tokens] for r in ref]  # greedy: a shorter run is a prefix of the longer one
     # an LLM override: the draft artifact loaded on its own, drafting for the target
     draft = LLM.load_artifact(path / DRAFT, cache_dir=cache_dir, skip_engine=True)
     llm = _load(path, cache_dir, speculative_model=draft)
     assert llm.speculative_llm is draft and llm.num_speculative_tokens == K  # k: the artifact's
-    assert _tokens(llm) == ref
-    assert (llm.engine.stats.spec_proposed_tokens, llm.engine.stats.spec_accepted_tokens) == counts
+    assert _tokens(llm, SHORT) == short and llm.engine.stats.spec_proposed_tokens > 0
     llm.shutdown()
     # "[ngram]" override: no draft model, the artifact's draft is not loaded
     llm = LLM.from_artifacts(path, cache_dir=cache_dir, speculative_model="[ngram]", num_speculative_tokens=2)
