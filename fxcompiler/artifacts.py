@@ -27,7 +27,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -88,9 +88,11 @@ class ArtifactContents:
     source_graphs: dict[str, Any] = field(default_factory=dict)  # edf blob id -> its fx graph (to recompile)
 
 
-def export_artifact(contents: ArtifactContents, path: str | os.PathLike, *, param_saved_format: str = "safetensors"
-                    ) -> Path:
-    """Write ``contents`` as an artifact directory at ``path`` (which must not exist or be empty)."""
+def export_artifact(contents: ArtifactContents, path: str | os.PathLike, *, param_saved_format: str = "safetensors",
+                    extra: Callable[[Path], dict] | None = None) -> Path:
+    """Write ``contents`` as an artifact directory at ``path`` (which must not exist or be empty).
+    ``extra(tmp)`` may write more files into the directory (the files list covers them) and
+    returns entries to add to the manifest (e.g. the draft model under ``speculative_model/``)."""
     import transformers
 
     import fxcompiler
@@ -186,6 +188,8 @@ def export_artifact(contents: ArtifactContents, path: str | os.PathLike, *, para
             "graphs": blobs,
             "pipelines": sorted(f"pipelines/{bucket_file_name(p.bucket)}" for p in contents.pipelines),
         }
+        if extra is not None:
+            manifest.update(extra(tmp))
         manifest["files"] = {
             str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
             for f in sorted(tmp.rglob("*")) if f.is_file()

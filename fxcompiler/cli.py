@@ -224,10 +224,13 @@ def cmd_build(args) -> int:
               use_blockwise_compile=not args.no_blockwise_compile,
               num_blocks_per_supertask=args.num_blocks_per_supertask, param_saved_format=args.param_saved_format,
               cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
-              artifacts_export_path=args.output, **_quant_kwargs(args),
+              artifacts_export_path=args.output, **_quant_kwargs(args), speculative_model=args.speculative_model,
+              num_speculative_tokens=args.num_speculative_tokens,
               compiler_config_overrides={"passes": _passes_json(args.passes_json)} if args.passes_json else None)
     print(f"artifact: {args.output}\nmodel: {llm.model_id}\npipelines: {len(llm.pipelines)}\n"
           f"compile cache: {llm.build_info['compile_cache']}\nbuilt in {time.perf_counter() - t0:.1f}s")
+    if llm.num_speculative_tokens is not None:
+        print(f"speculative: {args.speculative_model}, num_speculative_tokens={llm.num_speculative_tokens}")
     return 0
 
 
@@ -292,6 +295,10 @@ def cmd_inspect(args) -> int:
     print(f"params: {m['params']['file']} ({m['params']['format']}), {m['params']['bytes'] / 2**20:.1f} MiB on device "
           f"{', '.join(m['parallel']['devices'])}")
     print(f"quantization: {_scheme_text(st.get('quantization'))}")
+    sp = m.get("speculative")
+    if isinstance(sp, dict):  # docs/speculative.md
+        where = f"{sp.get('model_id')} in {sp.get('path')}/" if sp.get("method") == "draft_model" else sp.get("model")
+        print(f"speculative: {sp.get('method')} {where}, num_speculative_tokens {sp.get('num_speculative_tokens')}")
     print(f"passes: {' -> '.join(p['pass'] for p in m['passes'])}")
     print(f"files: {len(m['files'])}, {total / 2**20:.1f} MiB")
     if args.dot:
@@ -383,6 +390,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--param-saved-format", choices=["safetensors", "pt"], default="safetensors")
     b.add_argument("--passes-json", default=None, metavar="JSON|@FILE", help="the passes override as JSON "
                    "(recorded in the artifact's settings)")
+    b.add_argument("--speculative-model", default=None, metavar="DRAFT|[ngram]",
+                   help="a draft model (id, directory, .gguf) written under OUT/speculative_model/, or '[ngram]' "
+                        "('[ngram]:MIN:MAX'); LLM.load_artifact(OUT) speculates with it (docs/speculative.md)")
+    b.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
     b.set_defaults(func=cmd_build)
     i = sub.add_parser("inspect", help="summarise an artifact (manifest, buckets, blobs, sizes)")
     i.add_argument("artifact", metavar="ARTIFACT")

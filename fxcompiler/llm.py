@@ -373,7 +373,7 @@ class LLM:
         self._eos = self._eos_token_ids()
         self._prefill_buckets, self._decode_buckets = prefill, decode
         self.paged_attention_block_size = paged_attention_block_size
-        if artifacts_export_path is not None:
+        if artifacts_export_path is not None and spec_request is None:
             self._export_artifact(artifacts_export_path, param_saved_format)
         self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
         self.speculative_llm, self.num_speculative_tokens = None, None
@@ -381,6 +381,12 @@ class LLM:
             from .speculative import attach
 
             attach(self, spec_request)
+            if artifacts_export_path is not None:  # with the draft under speculative_model/
+                try:
+                    self._export_artifact(artifacts_export_path, param_saved_format)
+                except BaseException:
+                    self.shutdown()
+                    raise
 
     def _start_parallel(self, llm_kwargs, config, prefill, decode, block_size, enable_prefix_caching, skip_engine,
                         artifacts_export_path, beams_config) -> None:
@@ -444,8 +450,9 @@ class LLM:
                               kv_cache_sharing_across_beams=beams_config)
         self._start_driver()
 
-    def _export_artifact(self, path, param_saved_format: str = "safetensors"):
+    def _export_artifact(self, path, param_saved_format: str = "safetensors", speculative: bool = True):
         from .artifacts import ArtifactContents, export_artifact
+        from .speculative_artifacts import export_hook
 
         settings = {
             "block_size": self.paged_attention_block_size, "max_seq_len_to_capture": self.max_seq_len_to_capture,
@@ -465,7 +472,8 @@ class LLM:
         contents = ArtifactContents(self.model_id, self.model_config, self.generation_config, self.tokenizer,
                                     self.pipelines, self._build.params, self.geometry, settings, passes,
                                     source_graphs=getattr(self._build, "source_graphs", {}))
-        return export_artifact(contents, path, param_saved_format=param_saved_format)
+        return export_artifact(contents, path, param_saved_format=param_saved_format,
+                               extra=export_hook(self, param_saved_format) if speculative else None)
 
     def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config) -> None:
         """Start the engine over the built pipelines (unless ``skip_engine``) and its driver thread."""
@@ -804,21 +812,31 @@ class LLM:
                       cache_dir=CACHE_DIR, skip_engine=False, **kwargs) -> "LLM":
         """Load an artifact directory written by ``LLM(..., artifacts_export_path=...)`` or
         ``fxcompiler build``: no export, no passes, no checkpoint; ``bucket_config`` may select
-        a subset of the built buckets."""
+        a subset of the built buckets. A draft the artifact carries (``speculative_model/``, or
+        the n-gram proposer it records) is attached unless ``skip_speculative_model_load``;
+        ``speculative_model`` (an ``LLM``, an artifact path or ``"[ngram]"``) overrides it
+        (docs/speculative.md)."""
         if revision is not None:
             raise ValueError(f"revision={revision!r}: artifacts are loaded from local directories only "
                              "(nothing is downloaded from a hub)")
         if not isinstance(skip_speculative_model_load, bool):
             raise TypeError("skip_speculative_model_load must be a bool")
-        if any(v is not None for v in (speculative_model, speculative_draft_data_parallel_size,
-                                       speculative_draft_pipeline_parallel_size,
-                                       speculative_draft_num_blocks_per_pp_stage)):
-            raise _later("speculative decoding", "speculative-decoding issue")
+        from .speculative_artifacts import plan_load
+
+        draft = plan_load(  # the artifact's draft (speculative_model/), or the one given; docs/speculative.md
+            model_id_or_path, speculative_model=speculative_model, enabled=not skip_speculative_model_load,
+            num_speculative_tokens=kwargs.pop("num_speculative_tokens", None),
+            bucket_config=kwargs.pop("speculative_model_bucket_config", None),
+            paged_attention_num_blocks=kwargs.pop("speculative_model_paged_attention_num_blocks", None),
+            draft_parallel=dict(speculative_draft_data_parallel_size=speculative_draft_data_parallel_size,
+                                speculative_draft_pipeline_parallel_size=speculative_draft_pipeline_parallel_size,
+                                speculative_draft_num_blocks_per_pp_stage=speculative_draft_num_blocks_per_pp_stage))
         return cls._load_artifact_dir(
             model_id_or_path, devices=devices, data_parallel_size=data_parallel_size,
             pipeline_parallel_size=pipeline_parallel_size, num_blocks_per_pp_stage=num_blocks_per_pp_stage,
             bucket_config=bucket_config, scheduler_config=scheduler_config, tokenizer=tokenizer,
-            tokenizer_mode=tokenizer_mode, seed=seed, cache_dir=cache_dir, skip_engine=skip_engine, **kwargs)
+            tokenizer_mode=tokenizer_mode, seed=seed, cache_dir=cache_dir, skip_engine=skip_engine,
+            _speculative=draft, **kwargs)
 
     @classmethod
     def load_artifacts(cls, path, **kwargs) -> "LLM":
@@ -832,19 +850,25 @@ class LLM:
                        tokenizer=None, tokenizer_mode="auto", seed=None, devices=None, cache_dir=CACHE_DIR,
                        backend=None, paged_attention_num_blocks=None, scheduler_config=None,
                        packing_type="IDENTITY", skip_engine=False, *, _cleanup=True, **kwargs) -> "LLM":
-        """furiosa's older loader of the same artifact directory (see :meth:`load_artifact`)."""
+        """furiosa's older loader of the same artifact directory (see :meth:`load_artifact`;
+        ``use_speculative_decoding_if_possible=False`` loads it without its draft)."""
         if packing_type != "IDENTITY":
             raise ValueError(f"packing_type must be 'IDENTITY', got {packing_type!r}")
         if not isinstance(use_speculative_decoding_if_possible, bool):
             raise TypeError("use_speculative_decoding_if_possible must be a bool")
-        if any(v is not None for v in (speculative_model, num_speculative_tokens, speculative_model_bucket_config)):
-            raise _later("speculative decoding", "speculative-decoding issue")
+        from .speculative_artifacts import plan_load
+
+        draft = plan_load(
+            path, speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
+            enabled=use_speculative_decoding_if_possible, opt_out="use_speculative_decoding_if_possible=False",
+            bucket_config=speculative_model_bucket_config,
+            paged_attention_num_blocks=kwargs.pop("speculative_model_paged_attention_num_blocks", None))
         return cls._load_artifact_dir(
             path, devices=devices, data_parallel_size=data_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
             num_blocks_per_pp_stage=num_blocks_per_pp_stage, bucket_config=bucket_config,
             scheduler_config=scheduler_config, tokenizer=tokenizer, tokenizer_mode=tokenizer_mode, seed=seed,
             cache_dir=cache_dir, skip_engine=skip_engine, backend=backend,
-            paged_attention_num_blocks=paged_attention_num_blocks, **kwargs)
+            paged_attention_num_blocks=paged_attention_num_blocks, _speculative=draft, **kwargs)
 
     @classmethod
     def _load_artifact_dir(cls, path, *, devices, data_parallel_size, pipeline_parallel_size, num_blocks_per_pp_stage,
@@ -863,6 +887,8 @@ class LLM:
         enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)
         rank_of_plan = kwargs.pop("_rank_of_plan", False)  # a rank worker loading its shard
         tensor_parallel_size = kwargs.pop("tensor_parallel_size", None)
+        draft = kwargs.pop("_speculative", None)  # a speculative_artifacts.DraftLoad
+        trusted_hashes = kwargs.pop("_trusted_hashes", None)  # a draft inside an artifact: the digest it lists
         if kwargs:
             raise TypeError(f"unexpected keyword arguments for loading an artifact: {sorted(kwargs)}")
         if not isinstance(enable_prefix_caching, bool):
@@ -885,6 +911,10 @@ class LLM:
                           pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
                           num_blocks_per_pp_stage=num_blocks_per_pp_stage, devices=parse_devices(devices),
                           rank_of_plan=rank_of_plan)
+        if draft is not None and plan is not None:
+            from .speculative_artifacts import refuse_parallel_target
+
+            raise refuse_parallel_target()
         if plan is not None and plan.tp * plan.pp > 1:  # rank workers load their shards
             return load_parallel(cls, path, plan, bucket_config=bucket_config, scheduler_config=scheduler_config,
                                  tokenizer=tokenizer, tokenizer_mode=tokenizer_mode, seed=seed, cache_dir=cache_dir,
@@ -922,7 +952,7 @@ class LLM:
             raise ValueError("bucket_config must keep at least one prefill and one decode bucket")
         extra = [b for b in built_all if b not in built_prefill and b not in built_decode]  # chunk buckets
         buckets = list(dict.fromkeys(prefill + decode + extra))
-        contents = read_artifact(path, buckets=buckets, cache_dir=cache_dir)
+        contents = read_artifact(path, buckets=buckets, cache_dir=cache_dir, trusted_hashes=trusted_hashes)
 
         if seed is not None:
             from transformers import set_seed
@@ -959,7 +989,19 @@ class LLM:
         obj._eos = frozenset(st["eos_token_ids"]) if "eos_token_ids" in st else obj._eos_token_ids()
         obj._prefill_buckets, obj._decode_buckets = prefill, decode
         obj.build_info = {"compile_cache": "artifact", "artifact": os.fspath(path), "export_seconds": 0.0}
+        obj.speculative_llm, obj.num_speculative_tokens = None, None
+        spec_request = None if draft is None else draft.request(
+            cls, obj, Path(path), contents.manifest, devices=devices, cache_dir=cache_dir,
+            scheduler_config=scheduler_config, tokenizer_mode=tokenizer_mode)  # loaded and checked before the engine
         obj._start(skip_engine, enable_prefix_caching, None)
+        if spec_request is not None:
+            from .speculative import attach
+
+            try:
+                attach(obj, spec_request)
+            except BaseException:
+                obj.shutdown()
+                raise
         obj.build_info["seconds"] = time.perf_counter() - t0
         return obj
 

@@ -195,5 +195,6 @@ def attach(target, req: SpeculativeRequest) -> None:
         proposer = DraftModelProposer(_draft_runner(draft)) if target.engine is not None else None
     target.speculative_llm = draft
     target.num_speculative_tokens = k
+    target._speculative_ngram = "[ngram]:%d:%d" % _ngram_sizes(req.model) if req.is_ngram else None  # for artifacts
     if target.engine is not None:
         target.engine.speculator = SpeculativeDecoder(proposer, SpeculativeConfig(k))

@@ -115,8 +115,8 @@ def test_bad_loader_arguments(built, tmp_path):
         LLM.load_artifact(path, bucket_config=ManualBucketConfig([(1, 32)], [(8, 64)]))
     with pytest.raises(ValueError, match="revision"):
         LLM.load_artifact(path, revision="main")
-    with pytest.raises(NotImplementedError, match="speculative"):
-        LLM.load_artifact(path, speculative_model="draft")
+    with pytest.raises(ValueError, match="carries no draft"):  # tests/test_speculative_artifacts.py
+        LLM.load_artifact(path, num_speculative_tokens=2)
     with pytest.raises(TypeError, match="unexpected keyword"):
         LLM.load_artifact(path, no_such_option=1)
     with pytest.raises(TypeError, match="scheduler_config"):
