@@ -4,10 +4,11 @@
 ``fxc::paged_attention`` has two C++ kernels, both walking the block table in place (no gathered copy
 of the context):
 
-* the **decode kernel** (``csrc/paged_attention.cpp``) for calls of one query token per sequence: one
-  pass over each row's context for all query heads, long rows cut between threads;
-* the **flash kernel** (``csrc/flash_attention.cpp``) for every multi-token call (a speculative verify
-  step's k + 1 tokens, chunked prefill, prefill): tiles of up to 32 query rows (tokens x the GQA
+* the **decode kernel** (``csrc/paged_attention.cpp``) for calls of one query token per sequence and
+  calls with fewer than 15 query rows (tokens x GQA group) per KV head: one pass over each row's
+  context for all query heads, long rows cut between threads;
+* the **flash kernel** (``csrc/flash_attention.cpp``) for the other multi-token calls (a speculative
+  verify step's k + 1 tokens, chunked prefill, prefill): tiles of up to 32 query rows (tokens x the GQA
   group's heads) of one KV head held in vector lanes, 16 keys a step, online softmax (fp32; fp64 for
   double caches), causal/padding/sliding-window masks, softcap and sinks as in the ATen reference;
   work split over (sequence, KV head, row tile) and, when there are few tiles, over context pieces
@@ -52,9 +53,9 @@ def kernel_module():
 
 def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
                         scale, sliding_window=-1, softcap=0.0, sinks=None):
-    """What a CPU call of ``fxc::paged_attention`` runs: the C++ decode kernel for one query token per
-    sequence (``g_decode_max_tokens`` in ``csrc/paged_attention.cpp``), the flash kernel for more (query,
-    key and cache of one dtype), else the C++ cache write and SDPA over the gathered context; the ATen
+    """What a CPU call of ``fxc::paged_attention`` runs (query, key and cache of one dtype): the C++ flash
+    kernel for several query tokens per sequence with >= 15 query rows per KV head (``g_flash_min_rows``
+    in ``csrc/paged_attention.cpp``), the decode kernel otherwise; else the C++ cache write and SDPA over the gathered context; the ATen
     reference when the module cannot be built."""
     mod = kernel_module()
     if mod is not None:

@@ -542,9 +542,12 @@ torch::Tensor attend_aten(const torch::Tensor& query, const torch::Tensor& k_cac
   return out.transpose(1, 2).contiguous();
 }
 
-// Calls of up to this many query tokens per sequence take the decode kernel, longer ones the flash kernel
-// (csrc/flash_attention.cpp).  _set_decode_max_tokens changes it (measurements).
-int64_t g_decode_max_tokens = 1;
+// Multi-token calls whose query rows per KV head (tokens x GQA group) fill at least this many of the flash
+// kernel's 16-lane tiles take the flash kernel (csrc/flash_attention.cpp); one-token calls and calls with fewer
+// rows take the decode kernel, whose cost grows with the rows, not with the lanes (measured 2026-12-02 under
+// load, GQA 3, batch 1-16, ctx 136/512: decode ahead up to 4 tokens (12 rows; at batch 1 and ctx 512 the flash
+// kernel is ahead from 4 tokens), level at 5 (15 rows), flash ahead from 9).  _set_flash_min_rows changes it.
+int64_t g_flash_min_rows = 15;
 
 // Cache write, then the flash kernel (any number of query tokens; query, key and cache of one dtype).
 torch::Tensor paged_attention_flash(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
@@ -582,16 +585,18 @@ torch::Tensor paged_attention_sdpa(torch::Tensor query, torch::Tensor key, torch
                      sinks);
 }
 
-// The CPU implementation of fxc::paged_attention (query, key and cache of one dtype): the decode kernel for
-// calls of up to g_decode_max_tokens query tokens per sequence, the flash kernel beyond (verify steps,
-// chunked prefill, prefill).  Mixed dtypes: the cache write in C++ and SDPA over the gathered context.
+// The CPU implementation of fxc::paged_attention (query, key and cache of one dtype): the flash kernel for
+// calls of several query tokens per sequence with at least g_flash_min_rows query rows per KV head (verify
+// steps, chunked prefill, prefill), the decode kernel otherwise.  Mixed dtypes: the cache write in C++ and
+// SDPA over the gathered context.
 torch::Tensor paged_attention_op(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                                  torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
                                  torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
                                  double softcap, const std::optional<torch::Tensor>& sinks = std::nullopt) {
   if (query.scalar_type() == k_cache.scalar_type() && key.scalar_type() == k_cache.scalar_type() &&
       value.scalar_type() == k_cache.scalar_type()) {
-    if (query.size(2) <= g_decode_max_tokens)
+    const int64_t S = query.size(2), G = query.size(1) / std::max<int64_t>(1, k_cache.size(2));
+    if (S == 1 || S * G < g_flash_min_rows)
       return paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping.contiguous(),
                                  query_pos.contiguous(), seq_lens.contiguous(), scale, sliding_window, softcap, sinks);
     return paged_attention_flash(query, key, value, k_cache, v_cache, block_table, slot_mapping.contiguous(),
@@ -673,9 +678,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("slot_mapping"), py::arg("query_pos"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none());
-  m.def("_set_decode_max_tokens", [](int64_t n) { const int64_t old = g_decode_max_tokens; g_decode_max_tokens = n; return old; },
-        "calls of up to n query tokens per sequence take the decode kernel, longer ones the flash kernel; returns "
-        "the previous n (measurements)", py::arg("n"));
+  m.def("_set_flash_min_rows", [](int64_t n) { const int64_t old = g_flash_min_rows; g_flash_min_rows = n; return old; },
+        "multi-token calls with at least n query rows (tokens x GQA group) per KV head take the flash kernel, "
+        "others the decode kernel; returns the previous n (measurements)", py::arg("n"));
   m.def("_set_prefetch", [](int mode, int dist, int l2) { g_prefetch = mode; g_prefetch_dist = dist; g_l2_streams = l2; },
         "software prefetch of the KV blocks: mode (0 none, 1 T0, 2 T1, 3 NTA), distance in blocks, extra L2 "
         "streams (0 none, 1 V during K, 2 also the next piece's K during V) (measurements)",

@@ -163,7 +163,7 @@ def _rope_tables(batch, tokens, head_dim, pos, dtype):
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
 def test_qkv_kernel_equals_the_unfused_ops(batch, kv_heads, group, head_dim, ctx, tokens, rope, window, layout, dtype,
                                            seed):
-    """fxc::qkv_paged_attention on CPU (decode kernel for 1 token, flash kernel beyond) computes exactly what the
+    """fxc::qkv_paged_attention on CPU (decode kernel or flash kernel) computes exactly what the
     graph it replaces computes (head views of the fused projection, fxc::rope, fxc::paged_attention, view),
     writes the same cache rows, and stays within tolerance of the pure-ATen references."""
     from fxcompiler.ops.fused import rope_reference
@@ -296,16 +296,18 @@ def test_flash_kernel_splits_context_between_threads(threads, dtype):
 
 
 def test_flash_kernel_is_what_the_op_runs_for_multi_token_calls():
-    """fxc::paged_attention on CPU: the decode kernel up to the module's threshold of query tokens per sequence
-    (one), the flash kernel beyond (bit-identical to calling either directly)."""
+    """fxc::paged_attention on CPU: the flash kernel for several query tokens per sequence that fill its tiles
+    (at least the module's threshold of query rows, tokens x GQA group, per KV head), the decode kernel for
+    one token and for fewer rows; bit-identical to calling either directly."""
     mod = attention.kernel_module()
-    limit = mod._set_decode_max_tokens(1)
-    mod._set_decode_max_tokens(limit)
-    assert limit == 1
-    for tokens, prefix in ((1, 50), (2, 30), (5, 136), (9, 200), (40, 17)):
-        case = _flash_case([prefix, prefix // 2], tokens, 3, 3, 64, 16, torch.float32, tokens)
+    limit = mod._set_flash_min_rows(15)
+    mod._set_flash_min_rows(limit)
+    assert limit == 15
+    for tokens, group, prefix, flash in ((1, 3, 50, False), (2, 3, 30, False), (4, 3, 40, False), (5, 3, 136, True),
+                                         (9, 3, 200, True), (40, 3, 17, True), (4, 4, 60, True), (1, 16, 60, False)):
+        case = _flash_case([prefix, prefix // 2], tokens, 2, group, 64, 16, torch.float32, tokens)
         q, k, v, k_cache, v_cache, table, slots, pos, lens = case
-        kernel = mod.paged_attention_cpu if tokens <= limit else mod.paged_attention_flash
+        kernel = mod.paged_attention_flash if flash else mod.paged_attention_cpu
         direct = kernel(q, k, v, k_cache.clone(), v_cache.clone(), table, slots, pos, lens, 0.125, -1, 0.0)
         op = torch.ops.fxc.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), table, slots, pos, lens, 0.125)
-        assert torch.equal(op, direct)
+        assert torch.equal(op, direct), (tokens, group)
