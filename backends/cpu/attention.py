@@ -1,11 +1,21 @@
-"""CPU kernels for ``fxc::paged_attention`` (decode-shaped calls), ``fxc::rms_norm``,
-``fxc::silu_mul``, ``fxc::rope`` and ``fxc::greedy_logprob``, built on first use into one extension module.
+"""CPU kernels for ``fxc::paged_attention``, ``fxc::rms_norm``, ``fxc::silu_mul``, ``fxc::rope`` and
+``fxc::greedy_logprob``, built on first use into one extension module.
 
-Decode is the hot path: one query token per sequence, called once per layer per
-step. The ATen reference (gather + SDPA) costs ~15 small ops a call; the C++ kernel
-walks the block table in place over the real context. Calls with more query tokens
-(prefill) write the cache in C++ and batch the attention as one SDPA. ``install()``
-registers the kernels in C++ as the ops' CPU implementations, so no Python runs per call.
+``fxc::paged_attention`` has two C++ kernels, both walking the block table in place (no gathered copy
+of the context):
+
+* the **decode kernel** (``csrc/paged_attention.cpp``) for calls of one query token per sequence and
+  calls with fewer than 15 query rows (tokens x GQA group) per KV head: one pass over each row's
+  context for all query heads, long rows cut between threads;
+* the **flash kernel** (``csrc/flash_attention.cpp``) for the other multi-token calls (a speculative
+  verify step's k + 1 tokens, chunked prefill, prefill): tiles of up to 32 query rows (tokens x the GQA
+  group's heads) of one KV head held in vector lanes, 16 keys a step, online softmax (fp32; fp64 for
+  double caches), causal/padding/sliding-window masks, softcap and sinks as in the ATen reference;
+  work split over (sequence, KV head, row tile) and, when there are few tiles, over context pieces
+  merged by log-sum-exp, so batch 1 uses every thread.
+
+Query and cache of different dtypes take the C++ cache write and SDPA over the gathered context.
+``install()`` registers the kernels in C++ as the ops' CPU implementations, so no Python runs per call.
 """
 from __future__ import annotations
 
@@ -19,7 +29,7 @@ from fxcompiler.ops.paged_attention import paged_attention_reference
 from . import _build
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
-_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "fused_ops.cpp")
+_SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "flash_attention.cpp", _CSRC / "fused_ops.cpp")
 _HEADERS = (_CSRC / "simd_math.h",)
 _lock = threading.Lock()
 _state: dict = {"module": None, "tried": False, "error": None}
@@ -43,10 +53,10 @@ def kernel_module():
 
 def paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
                         scale, sliding_window=-1, softcap=0.0, sinks=None):
-    """What a CPU call of ``fxc::paged_attention`` runs: the C++ decode kernel for calls of up to 4 query
-    tokens (``kMaxKernelQueryTokens`` in ``csrc/paged_attention.cpp``; beyond, SDPA's blocked kernel wins),
-    else the C++ cache write and SDPA over the gathered context (the ATen reference when the module
-    cannot be built)."""
+    """What a CPU call of ``fxc::paged_attention`` runs (query, key and cache of one dtype): the C++ flash
+    kernel for several query tokens per sequence with >= 15 query rows per KV head (``g_flash_min_rows``
+    in ``csrc/paged_attention.cpp``), the decode kernel otherwise; else the C++ cache write and SDPA over the gathered context; the ATen
+    reference when the module cannot be built."""
     mod = kernel_module()
     if mod is not None:
         return mod.paged_attention(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos,

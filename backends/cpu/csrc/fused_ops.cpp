@@ -445,7 +445,12 @@ torch::Tensor fxc_aten_row_sums(torch::Tensor x, int64_t lanes) {
   auto xc = x.contiguous();
   auto out = torch::empty({xc.size(0)}, xc.options());
   float* o = out.data_ptr<float>();
+#ifdef __AVX512F__
   for (int64_t r = 0; r < xc.size(0); ++r)
     o[r] = aten_row_sum_lanes(xc.data_ptr<float>() + r * xc.size(1), xc.size(1), static_cast<int>(lanes));
+#else  // the bf16 rms_norm path that needs ATen's order is AVX-512 only: report "no width matches" (NaN rows)
+  (void)lanes;
+  for (int64_t r = 0; r < xc.size(0); ++r) o[r] = std::numeric_limits<float>::quiet_NaN();
+#endif
   return out;
 }

@@ -1,4 +1,5 @@
-// fxc::paged_attention CPU kernel for decode-shaped calls (few query tokens per sequence).
+// fxc::paged_attention CPU kernel for decode-shaped calls (few query tokens per sequence); the dispatch
+// between it and the flash kernel for multi-token calls (flash_attention.cpp).
 //
 // Writes this step's K/V rows into the paged cache, then for every (sequence, query token)
 // walks the sequence's block table over its *real* context, all query heads at once,
@@ -29,6 +30,10 @@ torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 std::tuple<torch::Tensor, torch::Tensor> fxc_greedy_logprob_cpu(torch::Tensor logits);
 torch::Tensor fxc_aten_row_sums(torch::Tensor x, int64_t lanes);
 extern int g_aten_sum_lanes;
+// The multi-token (flash) attention kernel, csrc/flash_attention.cpp.
+void fxc_flash_attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                      const torch::Tensor& block_table, const torch::Tensor& query_pos, const torch::Tensor& seq_lens,
+                      double scale, int64_t window, double softcap, const double* sinks, torch::Tensor& out);
 
 namespace {
 
@@ -537,24 +542,68 @@ torch::Tensor attend_aten(const torch::Tensor& query, const torch::Tensor& k_cac
   return out.transpose(1, 2).contiguous();
 }
 
-constexpr int64_t kMaxKernelQueryTokens = 4;  // beyond this, SDPA's blocked kernel wins
+// Multi-token calls whose query rows per KV head (tokens x GQA group) fill at least this many of the flash
+// kernel's 16-lane tiles take the flash kernel (csrc/flash_attention.cpp); one-token calls and calls with fewer
+// rows take the decode kernel, whose cost grows with the rows, not with the lanes (measured 2026-12-02 under
+// load, GQA 3, batch 1-16, ctx 136/512: decode ahead up to 4 tokens (12 rows; at batch 1 and ctx 512 the flash
+// kernel is ahead from 4 tokens), level at 5 (15 rows), flash ahead from 9).  _set_flash_min_rows changes it.
+int64_t g_flash_min_rows = 15;
 
-// The CPU implementation of fxc::paged_attention: the decode kernel for calls of up to 4 query tokens
-// (query, key and cache of one dtype); otherwise the cache write in C++ (ATen's index_copy_ is slow
-// with many rows) and SDPA over the gathered context.
-torch::Tensor paged_attention_op(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
-                                 torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
-                                 torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
-                                 double softcap, const std::optional<torch::Tensor>& sinks = std::nullopt) {
-  if (query.size(2) <= kMaxKernelQueryTokens && query.scalar_type() == k_cache.scalar_type() &&
-      key.scalar_type() == k_cache.scalar_type())
-    return paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping.contiguous(),
-                               query_pos.contiguous(), seq_lens.contiguous(), scale, sliding_window, softcap, sinks);
+// Cache write, then the flash kernel (any number of query tokens; query, key and cache of one dtype).
+torch::Tensor paged_attention_flash(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+                                    torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
+                                    torch::Tensor query_pos, torch::Tensor seq_lens, double scale,
+                                    int64_t sliding_window, double softcap,
+                                    const std::optional<torch::Tensor>& sinks = std::nullopt) {
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && key.scalar_type() == k_cache.scalar_type(),
+              "fxc::paged_attention (flash kernel): query/key/cache dtypes must match");
+  const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
+  torch::Tensor sinks64;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->numel() == Hq, "fxc::paged_attention: sinks must have one value per query head (", Hq,
+                "), got ", sinks->sizes());
+    sinks64 = sinks->to(torch::kDouble).contiguous();
+  }
+  write_cache_cpu(key, value, k_cache, v_cache, slot_mapping);
+  auto out = torch::empty({B, S, Hq, D}, query.options());
+  fxc_flash_attend(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap,
+                   sinks.has_value() ? sinks64.data_ptr<double>() : nullptr, out);
+  return out;
+}
+
+// Cache write, then SDPA over the gathered context (the path of calls whose query and cache dtypes differ;
+// kept callable for comparisons: benchmarks/attention.py --query-tokens).
+torch::Tensor paged_attention_sdpa(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+                                   torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
+                                   torch::Tensor query_pos, torch::Tensor seq_lens, double scale,
+                                   int64_t sliding_window, double softcap,
+                                   const std::optional<torch::Tensor>& sinks = std::nullopt) {
   const auto dt = k_cache.scalar_type();
   write_cache_cpu(key.scalar_type() == dt ? key : key.to(dt), value.scalar_type() == dt ? value : value.to(dt),
                   k_cache, v_cache, slot_mapping);
   return attend_aten(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap,
                      sinks);
+}
+
+// The CPU implementation of fxc::paged_attention (query, key and cache of one dtype): the flash kernel for
+// calls of several query tokens per sequence with at least g_flash_min_rows query rows per KV head (verify
+// steps, chunked prefill, prefill), the decode kernel otherwise.  Mixed dtypes: the cache write in C++ and
+// SDPA over the gathered context.
+torch::Tensor paged_attention_op(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+                                 torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
+                                 torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                                 double softcap, const std::optional<torch::Tensor>& sinks = std::nullopt) {
+  if (query.scalar_type() == k_cache.scalar_type() && key.scalar_type() == k_cache.scalar_type() &&
+      value.scalar_type() == k_cache.scalar_type()) {
+    const int64_t S = query.size(2), G = query.size(1) / std::max<int64_t>(1, k_cache.size(2));
+    if (S == 1 || S * G < g_flash_min_rows)
+      return paged_attention_cpu(query, key, value, k_cache, v_cache, block_table, slot_mapping.contiguous(),
+                                 query_pos.contiguous(), seq_lens.contiguous(), scale, sliding_window, softcap, sinks);
+    return paged_attention_flash(query, key, value, k_cache, v_cache, block_table, slot_mapping.contiguous(),
+                                 query_pos, seq_lens, scale, sliding_window, softcap, sinks);
+  }
+  return paged_attention_sdpa(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
+                              scale, sliding_window, softcap, sinks);
 }
 
 // fxc::qkv_paged_attention on CPU: the same kernels as the unfused graph (views of the fused projection,
@@ -617,10 +666,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("slot_mapping"), py::arg("query_pos"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none());
-  m.def("paged_attention", &paged_attention_op, "fxc::paged_attention on CPU: decode kernel or cache write + SDPA",
+  m.def("paged_attention", &paged_attention_op, "fxc::paged_attention on CPU: decode kernel or flash kernel",
         py::arg("query"), py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("block_table"), py::arg("slot_mapping"), py::arg("query_pos"), py::arg("seq_lens"), py::arg("scale"),
         py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none());
+  m.def("paged_attention_flash", &paged_attention_flash, "cache write + the flash (multi-query) kernel",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_table"), py::arg("slot_mapping"), py::arg("query_pos"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none());
+  m.def("paged_attention_sdpa", &paged_attention_sdpa, "cache write + SDPA over the gathered context",
+        py::arg("query"), py::arg("key"), py::arg("value"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("block_table"), py::arg("slot_mapping"), py::arg("query_pos"), py::arg("seq_lens"), py::arg("scale"),
+        py::arg("sliding_window"), py::arg("softcap"), py::arg("sinks") = py::none());
+  m.def("_set_flash_min_rows", [](int64_t n) { const int64_t old = g_flash_min_rows; g_flash_min_rows = n; return old; },
+        "multi-token calls with at least n query rows (tokens x GQA group) per KV head take the flash kernel, "
+        "others the decode kernel; returns the previous n (measurements)", py::arg("n"));
   m.def("_set_prefetch", [](int mode, int dist, int l2) { g_prefetch = mode; g_prefetch_dist = dist; g_l2_streams = l2; },
         "software prefetch of the KV blocks: mode (0 none, 1 T0, 2 T1, 3 NTA), distance in blocks, extra L2 "
         "streams (0 none, 1 V during K, 2 also the next piece's K during V) (measurements)",

@@ -8,6 +8,8 @@ with the ISA overrides:
 * ``avx2``            ``FXCOMPILER_CPU_ISA=avx2`` (AVX2 + FMA, CPUs without AVX-512)
 
 The path the suite itself runs in-process (``fxc.isa()`` with the environment as given) is not repeated.
+The avx2 run also runs the flash attention kernel's tests (``test_paged_attention.py -k flash``): the
+attention module has an AVX-512 and an AVX2 build, no AMX/BF16 variants.
 The subprocess asserts the path it was asked for is the one in use (``FXCOMPILER_EXPECT_ISA``, read by
 ``test_kernels.test_kernels_built``), so an override that silently stopped working fails here.
 """
@@ -88,9 +90,12 @@ def test_kernel_properties_on_path(path):
     env.update(PATHS[path])
     env["FXCOMPILER_EXPECT_ISA"] = path
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
-           "tests/backends/cpu/test_kernels.py", "tests/backends/cpu/test_linear_bf16dot.py",
-           "-k", "not failed_build and not avx2_build and not without_amx"]
+    files = ["tests/backends/cpu/test_kernels.py", "tests/backends/cpu/test_linear_bf16dot.py"]
+    select = "not failed_build and not avx2_build and not without_amx"
+    if path == "avx2":  # the attention kernels have an AVX-512 and an AVX2 build only: their flash-kernel tests
+        files.append("tests/backends/cpu/test_paged_attention.py")
+        select = f"({select}) and (not test_paged_attention or flash)"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", *files, "-k", select]
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=1500)
     tail = (r.stdout + r.stderr)[-4000:]
     assert r.returncode == 0, tail

@@ -62,10 +62,12 @@ def _decode_case(lens, kv_heads, group, head_dim, block_size, dtype, seed, token
 
 
 def _check_decode(case, scale, dtype, window=-1):
+    """The decode kernel itself (the op takes it for one query token per sequence; it handles more)."""
     q, k, v, k_cache, v_cache, table, slots, pos, lens = case
     kc2, vc2 = k_cache.clone(), v_cache.clone()
     ref = paged_attention_reference(q, k, v, k_cache, v_cache, table, slots, pos, lens, scale, window)
-    out = attention.paged_attention_cpu(q, k, v, kc2, vc2, table, slots, pos, lens, scale, window)
+    out = attention.kernel_module().paged_attention_cpu(q, k, v, kc2, vc2, table, slots, pos, lens, scale, window,
+                                                        0.0)
     assert torch.equal(k_cache, kc2) and torch.equal(v_cache, vc2)
     torch.testing.assert_close(out.float(), ref.float(), rtol=TOL[dtype], atol=TOL[dtype])
 
@@ -161,7 +163,7 @@ def _rope_tables(batch, tokens, head_dim, pos, dtype):
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
 def test_qkv_kernel_equals_the_unfused_ops(batch, kv_heads, group, head_dim, ctx, tokens, rope, window, layout, dtype,
                                            seed):
-    """fxc::qkv_paged_attention on CPU (decode kernel for <= 4 tokens, SDPA beyond) computes exactly what the
+    """fxc::qkv_paged_attention on CPU (decode kernel or flash kernel) computes exactly what the
     graph it replaces computes (head views of the fused projection, fxc::rope, fxc::paged_attention, view),
     writes the same cache rows, and stays within tolerance of the pure-ATen references."""
     from fxcompiler.ops.fused import rope_reference
@@ -208,3 +210,104 @@ def test_qkv_kernel_rejects_bad_arguments():
         op(torch.zeros(1, 1, 60), None, None, *args, 4, 2, 0.3)
     with pytest.raises(RuntimeError, match="both cos and sin"):
         op(torch.zeros(1, 1, 64), torch.ones(1, 1, 1, 8), None, *args, 4, 2, 0.3)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The flash kernel (multi-token calls: speculative verify, chunked prefill, prefill).
+
+def _flash_case(prefixes, tokens, kv_heads, group, head_dim, block_size, dtype, seed, pad_rows=0):
+    """Sequence i computes `tokens` query tokens after `prefixes[i]` cached ones (a chunk at an offset);
+    its last `pad_rows` query tokens are padding as the engine builds it (position 0, slot 0 of the
+    null block). Block tables are shuffled block ids."""
+    g = torch.Generator().manual_seed(seed)
+    batch, hq = len(prefixes), kv_heads * group
+    lens = torch.tensor([p + tokens - pad_rows for p in prefixes])
+    mb = -(-int(lens.max()) // block_size)
+    nb = batch * mb + 2
+    k_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    table = (torch.randperm(nb - 1, generator=g)[: batch * mb] + 1).view(batch, mb)
+    q = torch.randn(batch, tokens, hq, head_dim, generator=g).to(dtype).transpose(1, 2)  # strided like transformers
+    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    pos = torch.tensor(prefixes).view(-1, 1) + torch.arange(tokens)
+    slots = table.gather(1, (pos // block_size).clamp(max=mb - 1)) * block_size + pos % block_size
+    if pad_rows:
+        pos[:, tokens - pad_rows:] = 0
+        slots[:, tokens - pad_rows:] = 0
+    return q, k, v, k_cache, v_cache, table, slots, pos, lens
+
+
+# bf16 is checked against the fp32 reference on the same (exactly upcast) values: the kernel accumulates in fp32,
+# so what remains is the rounding of its output to bf16 (2^-9 relative) and fp32 summation order.
+FLASH_TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.bfloat16: 8e-3}
+
+
+def _check_flash(case, scale, dtype, window=-1, softcap=0.0, sinks=None, fn=None):
+    q, k, v, k_cache, v_cache, table, slots, pos, lens = case
+    kc2, vc2 = k_cache.clone(), v_cache.clone()
+    wide = (lambda t: t.float()) if dtype == torch.bfloat16 else (lambda t: t)
+    kr, vr = wide(k_cache), wide(v_cache)
+    ref = paged_attention_reference(wide(q), wide(k), wide(v), kr, vr, table, slots, pos, lens, scale, window,
+                                    softcap, None if sinks is None else wide(sinks))
+    fn = fn or attention.kernel_module().paged_attention_flash
+    out = fn(q, k, v, kc2, vc2, table, slots, pos, lens, scale, window, softcap, sinks)
+    # every row written where the reference writes it (block 0 is the null block: padding rows all write its slot 0)
+    assert torch.equal(kr[1:], wide(kc2)[1:]) and torch.equal(vr[1:], wide(vc2)[1:])
+    assert out.shape == ref.shape and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), rtol=FLASH_TOL[dtype], atol=FLASH_TOL[dtype])
+    return out
+
+
+@settings(max_examples=70, deadline=None)
+@given(prefixes=st.lists(st.integers(0, 150), min_size=1, max_size=3), tokens=st.integers(1, 40),
+       kv_heads=st.sampled_from([1, 2]), group=st.sampled_from([1, 3, 4]), head_dim=st.sampled_from([8, 20, 64, 128]),
+       block_size=st.sampled_from([1, 4, 16, 32]), window=st.sampled_from([-1, 5, 40]),
+       softcap=st.sampled_from([0.0, 0.0, 2.5]), sinks=st.booleans(), pad=st.integers(0, 3),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_flash_kernel_matches_reference(prefixes, tokens, kv_heads, group, head_dim, block_size, window, softcap,
+                                        sinks, pad, dtype, seed):
+    """Any number of query tokens at any chunk offset (query_pos not starting at 0), GQA ratios 1/3/4, head dims
+    that are and are not multiples of the vector width, block sizes 1..32, sliding window, logit softcap, sinks,
+    padding query rows (position 0, the null block's slot) as the engine's prefill builds them."""
+    pad = min(pad, tokens - 1)
+    case = _flash_case(prefixes, tokens, kv_heads, group, head_dim, block_size, dtype, seed, pad_rows=pad)
+    sink = (torch.randn(kv_heads * group, generator=torch.Generator().manual_seed(seed)) * 2).to(dtype) if sinks \
+        else None
+    _check_flash(case, head_dim ** -0.5, dtype, window, softcap, sink)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_flash_kernel_splits_context_between_threads(threads, dtype):
+    """Batch 1 with few tiles (a verify step of 5 or 9 tokens, a 40-token chunk) over a long context: the tiles'
+    contexts are cut into pieces merged by log-sum-exp; also many tiles (a 130-token prefill) and a batch."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for i, (prefixes, tokens, window, sinks) in enumerate((([1500], 5, -1, False), ([900], 9, -1, True),
+                                                                ([700], 40, 300, False), ([0], 130, -1, False),
+                                                                ([600, 3, 257], 9, -1, True))):
+            case = _flash_case(prefixes, tokens, 3, 3, 64, 16, dtype, i)
+            sink = torch.linspace(-1, 2, 9).to(dtype) if sinks else None
+            _check_flash(case, 0.125, dtype, window, 0.0, sink)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_flash_kernel_is_what_the_op_runs_for_multi_token_calls():
+    """fxc::paged_attention on CPU: the flash kernel for several query tokens per sequence that fill its tiles
+    (at least the module's threshold of query rows, tokens x GQA group, per KV head), the decode kernel for
+    one token and for fewer rows; bit-identical to calling either directly."""
+    mod = attention.kernel_module()
+    limit = mod._set_flash_min_rows(15)
+    mod._set_flash_min_rows(limit)
+    assert limit == 15
+    for tokens, group, prefix, flash in ((1, 3, 50, False), (2, 3, 30, False), (4, 3, 40, False), (5, 3, 136, True),
+                                         (9, 3, 200, True), (40, 3, 17, True), (4, 4, 60, True), (1, 16, 60, False)):
+        case = _flash_case([prefix, prefix // 2], tokens, 2, group, 64, 16, torch.float32, tokens)
+        q, k, v, k_cache, v_cache, table, slots, pos, lens = case
+        kernel = mod.paged_attention_flash if flash else mod.paged_attention_cpu
+        direct = kernel(q, k, v, k_cache.clone(), v_cache.clone(), table, slots, pos, lens, 0.125, -1, 0.0)
+        op = torch.ops.fxc.paged_attention(q, k, v, k_cache.clone(), v_cache.clone(), table, slots, pos, lens, 0.125)
+        assert torch.equal(op, direct), (tokens, group)
