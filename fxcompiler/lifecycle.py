@@ -23,8 +23,9 @@ def register(llm: Any) -> None:
     _LIVE.add(llm)
 
 
-def shutdown(llm: Any, timeout: float = 10.0) -> None:
-    """Abort ``llm``'s requests, stop its driver's worker thread and release its engine."""
+def shutdown(llm: Any, timeout: float = 10.0, release_sources: bool = True) -> None:
+    """Abort ``llm``'s requests, stop its driver's worker thread and release its engine (and the
+    graph sources torch.fx still keeps for graphs that are gone: :mod:`fxcompiler.fx_sources`)."""
     if llm.__dict__.get("_shut_down", False):
         return
     llm.__dict__["_shut_down"] = True
@@ -49,12 +50,16 @@ def shutdown(llm: Any, timeout: float = 10.0) -> None:
     if workers is not None:
         workers.shutdown()
     _LIVE.discard(llm)
+    if release_sources:
+        from .fx_sources import release_dead_sources
+
+        release_dead_sources()
 
 
 @atexit.register
 def _shutdown_all() -> None:
     for llm in list(_LIVE):
         try:
-            shutdown(llm, timeout=2.0)
+            shutdown(llm, timeout=2.0, release_sources=False)
         except Exception:  # noqa: BLE001 - best effort at exit
             pass
