@@ -103,14 +103,19 @@ def _counts(gm, ctx) -> tuple[dict[str, int], dict[str, int]]:
     return fusions, dict(sorted(kernels.items()))
 
 
+def _applied(fusions: dict[str, int], kernels: dict[str, int]) -> tuple[str, str]:
+    """The table's "fusions applied" and "fxc kernels" cells."""
+    return (", ".join(f"{p} {n}" for p, n in fusions.items() if n) or "none",
+            ", ".join(f"{k} {n}" for k, n in kernels.items()) or "none")
+
+
 def render(reports: list[ArchitectureReport]) -> str:
     """The markdown table (between the markers that docs/models.md keeps it in)."""
     rows = ["| architecture | transformers class | constructs | task | greedy parity tested | fusions applied "
             "(count, 2 layers) | fxc kernels in the graph | known limits |",
             "|---|---|---|---|---|---|---|---|"]
     for r in reports:
-        fused = ", ".join(f"{p} {n}" for p, n in r.fusions.items() if n) or "none"
-        kernels = ", ".join(f"{k} {n}" for k, n in r.kernels.items()) or "none"
+        fused, kernels = _applied(r.fusions, r.kernels)
         rows.append(f"| {r.name} | {r.model_class} | {r.constructs} | text generation | {PARITY[r.name]} | {fused} "
                     f"| {kernels} | {KNOWN_LIMITS.get(r.name, '')} |")
     return "\n".join([BEGIN, *rows, END])
@@ -175,8 +180,7 @@ def render_encoders(reports: list[EncoderReport]) -> str:
             "| fxc kernels in the graph | known limits |",
             "|---|---|---|---|---|---|---|---|"]
     for r in reports:
-        fused = ", ".join(f"{p} {n}" for p, n in r.fusions.items() if n) or "none"
-        kernels = ", ".join(f"{k} {n}" for k, n in r.kernels.items()) or "none"
+        fused, kernels = _applied(r.fusions, r.kernels)
         rows.append(f"| {r.name} | {r.model_class} | {r.constructs} | {r.task} | {r.parity} | {fused} | {kernels} "
                     f"| {ENCODER_LIMITS.get(r.name, '')} |")
     return "\n".join([ENCODER_BEGIN, *rows, ENCODER_END])

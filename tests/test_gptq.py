@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from fxcompiler.gptq import GPTQConfig, gptq_quantize_model, gptq_quantize_weight
 from fxcompiler.qformat import ModuleScheme
 from fxcompiler.quantize_model import _rtn
+from tests._quant_checks import assert_engine_uses_file_codes
 
 SCHEMES = [ModuleScheme("int8", -1, True), ModuleScheme("int4", 32, False), ModuleScheme("int4", 64, False),
            ModuleScheme("int4", 32, True)]
@@ -116,7 +117,6 @@ def test_quantize_cli_gptq_round_trip(tiny_models, tmp_path, capsys):
 
     from fxcompiler import LLM, SamplingParams
     from fxcompiler.cli import main
-    from fxcompiler.ops.quant_linear import unpack_int4
 
     out = tmp_path / "gptq"
     assert main(["quantize", str(tiny_models["llama"]), str(out), "--scheme", "w4a16-g32", "--algorithm", "gptq",
@@ -137,12 +137,7 @@ def test_quantize_cli_gptq_round_trip(tiny_models, tmp_path, capsys):
     llm = LLM(str(out), max_seq_len_to_capture=64, cache_dir=None)
     info = next(h for h in llm.pass_history if h["pass"] == "quantize")
     assert info["from_qparam"] == 8 and info["ops"] == {"w4": 8}
-    base = next(k for k in llm._build.params if "layers.1.mlp.down_proj" in k and k.endswith(".q"))[:-2]
-    q, s, m = unpack_int4(llm._build.params[base + ".q"], llm._build.params[base + ".scales"],
-                          llm._build.params[base + ".mins"], 64)
-    mod = "model.layers.1.mlp.down_proj"
-    assert torch.equal(q, qp[f"{mod}.qweight"]) and torch.equal(s, qp[f"{mod}.weight_scale"])
-    assert torch.equal(m, qp[f"{mod}.weight_min"])
+    assert_engine_uses_file_codes(llm, qp, "model.layers.1.mlp.down_proj", 64)
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
                         prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]

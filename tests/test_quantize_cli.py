@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from fxcompiler import LLM, SamplingParams
 from fxcompiler.calibration import split_topics
 from fxcompiler.cli import main
+from tests._quant_checks import assert_engine_uses_file_codes
 
 
 def test_pydoc_topics_split_is_deterministic_and_disjoint():
@@ -53,15 +53,8 @@ def test_quantized_directory_loads_and_matches_rtn(tiny_models, tmp_path, capsys
     # the engine multiplies by exactly the file's codes, scales and mins
     from safetensors.torch import load_file
 
-    from fxcompiler.ops.quant_linear import unpack_int4
-
     qp = load_file(str(out / "qparam.safetensors"))
-    base = next(k for k in llm._build.params if "layers.1.mlp.down_proj" in k and k.endswith(".q"))[:-2]
-    q, s, m = unpack_int4(llm._build.params[base + ".q"], llm._build.params[base + ".scales"],
-                          llm._build.params[base + ".mins"], 64)
-    mod = "model.layers.1.mlp.down_proj"
-    assert torch.equal(q, qp[f"{mod}.qweight"]) and torch.equal(s, qp[f"{mod}.weight_scale"])
-    assert torch.equal(m, qp[f"{mod}.weight_min"])
+    assert_engine_uses_file_codes(llm, qp, "model.layers.1.mlp.down_proj", 64)
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]

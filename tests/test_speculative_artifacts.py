@@ -7,7 +7,6 @@ sentinel file is never created), also under an allow-list that names only the ta
 argument errors (different vocabulary, parallel drafts)."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 from fxcompiler import LLM, ManualBucketConfig, SamplingParams, cli
 from fxcompiler.artifacts import ArtifactError, manifest_sha256
 from fxcompiler.integrity import sha256_file
+from tests._artifact_tampering import payload as _payload, read_manifest as _manifest, write_manifest as _save
 from tests.conftest import save_tiny_model
 from tests.test_speculative import GREEDY, K, PROMPTS, all_free, make_llm, run_checked
 
@@ -31,18 +31,6 @@ def _tokens(llm, sp=GREEDY) -> list[list[int]]:
     tokens = [o.outputs[0].token_ids for o in run_checked(llm, PROMPTS, sp)]
     all_free(llm)
     return tokens
-
-
-def _manifest(root: Path) -> dict:
-    return json.loads((root / "artifact.json").read_text())
-
-
-def _save(root: Path, m: dict) -> None:
-    (root / "artifact.json").write_text(json.dumps(m))
-
-
-def _payload(sentinel: Path) -> str:
-    return f"open({str(sentinel)!r}, 'w').write('pwned')\n"
 
 
 def _rehash(root: Path, m: dict, rel: str) -> None:

@@ -2,7 +2,6 @@
 run (a sentinel file is never created), and every tampering is refused naming the file."""
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import shutil
@@ -12,6 +11,7 @@ import pytest
 
 from fxcompiler.artifacts import ArtifactError, manifest_sha256, read_artifact
 from fxcompiler.integrity import sha256_file
+from tests._artifact_tampering import payload as _payload, read_manifest as _manifest, write_manifest as _save
 
 from .conftest import make_llm
 
@@ -28,18 +28,6 @@ def copy(artifact, tmp_path):
     dst = tmp_path / "a"
     shutil.copytree(artifact, dst, symlinks=True)
     return dst
-
-
-def _manifest(root: Path) -> dict:
-    return json.loads((root / "artifact.json").read_text())
-
-
-def _save(root: Path, m: dict) -> None:
-    (root / "artifact.json").write_text(json.dumps(m))
-
-
-def _payload(sentinel: Path) -> str:
-    return f"open({str(sentinel)!r}, 'w').write('pwned')\n"
 
 
 def _fx_code(m: dict) -> str:
