@@ -104,6 +104,8 @@ def main() -> None:
     ap.add_argument("--draft-option", action="append", default=[], metavar="KEY=VALUE",
                     help="extra LLM(...) keyword of the draft, e.g. keep_gguf_quantization=true (the embedded "
                          "Q4_1 weights natively) or quantize_lm_head=true; repeatable")
+    ap.add_argument("--draft-quantization", default=None, metavar="SCHEME",
+                    help="the draft as a quantized copy, e.g. W8A16 (llm_config=LLMConfig(quantization_config=...))")
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
     ap.add_argument("--ngram", default="[ngram]", help="'[ngram]' or '[ngram]:MIN:MAX'")
     ap.add_argument("--rounds", type=int, default=5)
@@ -126,6 +128,10 @@ def main() -> None:
         if not sep:
             ap.error(f"--draft-option expects KEY=VALUE, got {item!r}")
         draft_options[key] = json.loads(value)
+    if args.draft_quantization:
+        from fxcompiler import LLMConfig, QuantizationConfig
+
+        draft_options["llm_config"] = LLMConfig(quantization_config=QuantizationConfig.from_str(args.draft_quantization))
     draft = LLM(args.draft or args.model, dtype=args.draft_dtype, skip_engine=True, **draft_options, **common)
     llm = LLM(args.model, dtype=args.dtype, speculative_model=draft, num_speculative_tokens=args.k, **common)
     speculators = {"plain": None,
@@ -157,7 +163,7 @@ def main() -> None:
                 "mean_accepted_length": 1 + c["accepted"] / c["verified_seqs"] if c["verified_seqs"] else None,
                 "greedy_equal_to_plain": outputs[name][mode] == outputs[name]["plain"]}
     res["setup"] = {"model": args.model, "dtype": args.dtype, "draft": args.draft or args.model,
-                    "draft_dtype": args.draft_dtype, "draft_options": draft_options, "k": args.k, "rounds": args.rounds,
+                    "draft_dtype": args.draft_dtype, "draft_options": {k: str(v) for k, v in draft_options.items()}, "k": args.k, "rounds": args.rounds,
                     "max_tokens": args.max_tokens, "threads": args.threads, "torch": torch.__version__}
     print(json.dumps(res, indent=2))
 
