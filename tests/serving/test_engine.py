@@ -197,6 +197,10 @@ def test_generation_config_defaults_in_the_server(llm):
 
     from fxcompiler.serving.api_server import build_app
 
+    # The references first: while the AsyncLLMEngine's thread serves this LLM's engine it also steps (and drops
+    # the outputs of) requests that LLM.generate adds to the same engine.
+    want_defaults = _text(llm, PROMPTS[0], **GEN_DEFAULTS, seed=5, ignore_eos=True)
+    want_set = _text(llm, PROMPTS[0], **{**GEN_DEFAULTS, "temperature": 0.0, "max_tokens": 4}, ignore_eos=True)
     engine = AsyncLLMEngine(LLMEngine(llm))
     assert engine.engine.default_sampling_params() == GEN_DEFAULTS
     try:
@@ -208,11 +212,10 @@ def test_generation_config_defaults_in_the_server(llm):
 
             out = complete(seed=5)  # every sampling field and max_tokens (6, not 16) from the file
             assert out["usage"]["completion_tokens"] == 6
-            assert out["choices"][0]["text"] == _text(llm, PROMPTS[0], **GEN_DEFAULTS, seed=5, ignore_eos=True)
+            assert out["choices"][0]["text"] == want_defaults
             out = complete(temperature=0.0, max_tokens=4)  # what the request sets wins
             assert out["usage"]["completion_tokens"] == 4
-            assert out["choices"][0]["text"] == _text(llm, PROMPTS[0], **{**GEN_DEFAULTS, "temperature": 0.0,
-                                                                          "max_tokens": 4}, ignore_eos=True)
+            assert out["choices"][0]["text"] == want_set
             r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                         "ignore_eos": True, "seed": 1})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
