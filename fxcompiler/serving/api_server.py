@@ -135,8 +135,11 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
     async def merged(gens) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of several prompts' streams as they come: (prompt index, delta output)."""
         if len(gens) == 1:  # one prompt (n = 1): no queue and pump task per token
-            async for out in gens[0][1]:
-                yield 0, out
+            try:
+                async for out in gens[0][1]:
+                    yield 0, out
+            finally:
+                await gens[0][1].aclose()  # a stream left early (disconnect): its request is aborted
             return
         queue: asyncio.Queue = asyncio.Queue()
 
