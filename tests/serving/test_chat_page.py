@@ -23,8 +23,8 @@ pytestmark = pytest.mark.slow
 NAME = "tiny"
 KEY = "page-key"
 SYSTEM = "You are terse."
-LONG_CONTEXT = 4096
-LONG = 4000  # max tokens of the generation that Stop interrupts
+LONG_CONTEXT = 16384
+LONG = 16000  # max tokens of the generation that Stop interrupts
 STATS = re.compile(r"(\d+) tokens · ([0-9.]+) tok/s · first token (\d+) ms")
 
 
@@ -33,7 +33,7 @@ def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-page")
     # greedy replies run to max tokens
     model = save_tiny_chat_model(work / "model", never_eos=True, max_position_embeddings=LONG_CONTEXT)
-    # a 4096-token context: the long generation Stop cuts short runs for seconds even at ~600 tokens/s
+    # a 16384-token context: the long generation Stop cuts short runs for seconds even at ~1,500 tokens/s
     srv = start_server(model, work, served_name=NAME, api_key=KEY,
                        extra_flags=["--max-seq-len-to-capture", str(LONG_CONTEXT), "-db", f"1,{LONG_CONTEXT}"])
     yield srv
