@@ -43,6 +43,8 @@ from pathlib import Path
 
 import torch
 
+from .integrity import IntegrityError, verify_checksums, write_checksums
+
 __all__ = ["QuantCheckpointError", "UnpackedLinear", "convert_quant_checkpoint", "find_quantization_config",
            "read_scheme", "unpack_checkpoint"]
 
@@ -378,13 +380,29 @@ def _digest(files: list[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def _verified(target: Path) -> bool:
+    """A finished conversion whose files match their recorded checksums (checked before anything in it is
+    parsed); a damaged one is logged, removed and made again."""
+    from .models.loader import _complete
+
+    if not _complete(target):
+        return False
+    try:
+        verify_checksums(target)
+    except IntegrityError as exc:
+        log.warning("pre-quantised checkpoint cache entry %s is damaged (%s): rebuilding it", target, exc)
+        shutil.rmtree(target, ignore_errors=True)
+        return False
+    return True
+
+
 def convert_quant_checkpoint(ckpt: str | os.PathLike, model_dir: str | os.PathLike | None = None,
                              cache_dir: str | os.PathLike | None = None, *, act_dtype: str | None = None) -> Path:
     """The ``fxcompiler quantize``-style directory of the pre-quantised checkpoint ``ckpt`` (a directory or a
     safetensors file; its config.json, else ``model_dir``'s, holds the quantization_config), made once per
     content under ``cache_dir/models`` (a temporary directory when None). ``model_dir`` (default: the
     checkpoint's directory) gives the config and tokenizer."""
-    from .models.loader import _complete, _exclusive
+    from .models.loader import _exclusive
     from .models.safetensors_reader import read_safetensors
 
     ckpt = Path(ckpt).expanduser()
@@ -407,11 +425,11 @@ def convert_quant_checkpoint(ckpt: str | os.PathLike, model_dir: str | os.PathLi
     digest = hashlib.sha256(f"{digest}:{act_dtype}".encode()).hexdigest()[:16]
     root = Path(tempfile.mkdtemp(prefix="fxcompiler-qckpt-")) if cache_dir is None else Path(cache_dir) / "models"
     target = root / f"qckpt-{digest}" / meta_dir.name
-    if _complete(target):
+    if _verified(target):
         return target
     root.mkdir(parents=True, exist_ok=True)
     with _exclusive(root / f".qckpt-{digest}.lock"):
-        if _complete(target):
+        if _verified(target):
             return target
         tensors: dict[str, torch.Tensor] = {}
         for f in files:
@@ -421,6 +439,7 @@ def convert_quant_checkpoint(ckpt: str | os.PathLike, model_dir: str | os.PathLi
         tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=root))
         try:
             _write(tmp, meta_dir, meta_files, qc, linears, rest, act_dtype, digest, str(ckpt))
+            write_checksums(tmp)
             target.parent.mkdir(parents=True, exist_ok=True)
             if target.exists():
                 shutil.rmtree(target)

@@ -324,3 +324,20 @@ def test_llm_reports_a_bad_checkpoint_before_building(tiny_models, tmp_path):
         LLM(str(path), max_seq_len_to_capture=64, cache_dir=None)
     with pytest.raises(ValueError, match=r"quant_ckpt_file_path='.*nope' does not exist"):
         LLM(str(tiny_models["llama"]), quant_ckpt_file_path=str(tmp_path / "nope"))
+
+
+def test_conversion_cache_is_verified_and_rebuilt_when_damaged(tiny_models, tmp_path, caplog):
+    from fxcompiler.quant_ckpt import convert_quant_checkpoint
+
+    path, _, _ = make_checkpoint("gptq", tiny_models["llama"], tmp_path / "ckpt")
+    cache = tmp_path / "cache"
+    first = convert_quant_checkpoint(path, cache_dir=cache)
+    good = (first / "qparam.safetensors").read_bytes()
+    assert convert_quant_checkpoint(path, cache_dir=cache) == first  # a verified hit
+    damaged = bytearray(good)
+    damaged[-1] ^= 0xFF  # a flipped byte inside the tensor data: still parses, wrong codes
+    (first / "qparam.safetensors").write_bytes(bytes(damaged))
+    with caplog.at_level("WARNING", logger="fxcompiler"):
+        again = convert_quant_checkpoint(path, cache_dir=cache)
+    assert again == first and (again / "qparam.safetensors").read_bytes() == good
+    assert any("damaged" in r.getMessage() for r in caplog.records)
