@@ -109,16 +109,22 @@ def _applied(fusions: dict[str, int], kernels: dict[str, int]) -> tuple[str, str
             ", ".join(f"{k} {n}" for k, n in kernels.items()) or "none")
 
 
+def _markdown(columns: list[str], rows: list[tuple], begin: str, end: str) -> str:
+    """A markdown table of ``rows`` (cells in ``columns`` order) between the markers ``begin`` / ``end``."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join([begin, *lines, end])
+
+
+_COLUMNS_TAIL = ["fusions applied (count, 2 layers)", "fxc kernels in the graph", "known limits"]
+
+
 def render(reports: list[ArchitectureReport]) -> str:
     """The markdown table (between the markers that docs/models.md keeps it in)."""
-    rows = ["| architecture | transformers class | constructs | task | greedy parity tested | fusions applied "
-            "(count, 2 layers) | fxc kernels in the graph | known limits |",
-            "|---|---|---|---|---|---|---|---|"]
-    for r in reports:
-        fused, kernels = _applied(r.fusions, r.kernels)
-        rows.append(f"| {r.name} | {r.model_class} | {r.constructs} | text generation | {PARITY[r.name]} | {fused} "
-                    f"| {kernels} | {KNOWN_LIMITS.get(r.name, '')} |")
-    return "\n".join([BEGIN, *rows, END])
+    columns = ["architecture", "transformers class", "constructs", "task", "greedy parity tested", *_COLUMNS_TAIL]
+    rows = [(r.name, r.model_class, r.constructs, "text generation", PARITY[r.name], *_applied(r.fusions, r.kernels),
+             KNOWN_LIMITS.get(r.name, "")) for r in reports]
+    return _markdown(columns, rows, BEGIN, END)
 
 
 def support_table(names: list[str] | None = None) -> str:
@@ -176,14 +182,10 @@ def measure_encoder(name: str, dtype: torch.dtype = torch.float64) -> EncoderRep
 
 
 def render_encoders(reports: list[EncoderReport]) -> str:
-    rows = ["| case | transformers class | constructs | task | parity tested | fusions applied (count, 2 layers) "
-            "| fxc kernels in the graph | known limits |",
-            "|---|---|---|---|---|---|---|---|"]
-    for r in reports:
-        fused, kernels = _applied(r.fusions, r.kernels)
-        rows.append(f"| {r.name} | {r.model_class} | {r.constructs} | {r.task} | {r.parity} | {fused} | {kernels} "
-                    f"| {ENCODER_LIMITS.get(r.name, '')} |")
-    return "\n".join([ENCODER_BEGIN, *rows, ENCODER_END])
+    columns = ["case", "transformers class", "constructs", "task", "parity tested", *_COLUMNS_TAIL]
+    rows = [(r.name, r.model_class, r.constructs, r.task, r.parity, *_applied(r.fusions, r.kernels),
+             ENCODER_LIMITS.get(r.name, "")) for r in reports]
+    return _markdown(columns, rows, ENCODER_BEGIN, ENCODER_END)
 
 
 def encoder_table(names: list[str] | None = None) -> str:
