@@ -14,6 +14,19 @@ pytestmark = pytest.mark.skipif(not attention.install(), reason="no C++ compiler
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}
 
 
+
+def _random_case(g, batch, kv_heads, hq, head_dim, tokens, block_size, mb, dtype):
+    """Random paged caches (two spare blocks), shuffled block tables of ``mb`` blocks a row, and this call's
+    q (strided like transformers') / k / v."""
+    nb = batch * mb + 2
+    k_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    table = (torch.randperm(nb - 1, generator=g)[: batch * mb] + 1).view(batch, mb)
+    q = torch.randn(batch, tokens, hq, head_dim, generator=g).to(dtype).transpose(1, 2)
+    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    return k_cache, v_cache, table, q, k, v
+
 @settings(max_examples=60, deadline=None)
 @given(batch=st.integers(1, 4), kv_heads=st.sampled_from([1, 2, 3]), group=st.sampled_from([1, 2, 3]),
        head_dim=st.sampled_from([16, 32, 64]), ctx=st.integers(1, 90), tokens=st.integers(1, 9),
@@ -24,13 +37,7 @@ def test_kernel_matches_reference(batch, kv_heads, group, head_dim, ctx, tokens,
     hq = kv_heads * group
     total = ctx + tokens
     mb = -(-total // block_size)
-    nb = batch * mb + 2
-    k_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    table = (torch.randperm(nb - 1, generator=g)[: batch * mb] + 1).view(batch, mb)
-    q = torch.randn(batch, tokens, hq, head_dim, generator=g).to(dtype).transpose(1, 2)  # strided like transformers
-    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
-    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    k_cache, v_cache, table, q, k, v = _random_case(g, batch, kv_heads, hq, head_dim, tokens, block_size, mb, dtype)
     # rows have different real lengths; the last row may be padding-like (shorter context)
     lens = torch.tensor([total - (i % 3) for i in range(batch)]).clamp(min=tokens)
     pos = lens.view(-1, 1) - tokens + torch.arange(tokens)
@@ -48,13 +55,7 @@ def _decode_case(lens, kv_heads, group, head_dim, block_size, dtype, seed, token
     g = torch.Generator().manual_seed(seed)
     batch, hq = len(lens), kv_heads * group
     mb = -(-max(lens) // block_size)
-    nb = batch * mb + 2
-    k_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    table = (torch.randperm(nb - 1, generator=g)[: batch * mb] + 1).view(batch, mb)
-    q = torch.randn(batch, tokens, hq, head_dim, generator=g).to(dtype).transpose(1, 2)
-    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
-    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    k_cache, v_cache, table, q, k, v = _random_case(g, batch, kv_heads, hq, head_dim, tokens, block_size, mb, dtype)
     lens = torch.tensor(lens)
     pos = lens.view(-1, 1) - tokens + torch.arange(tokens)
     slots = table.gather(1, pos // block_size) * block_size + pos % block_size
@@ -223,13 +224,7 @@ def _flash_case(prefixes, tokens, kv_heads, group, head_dim, block_size, dtype, 
     batch, hq = len(prefixes), kv_heads * group
     lens = torch.tensor([p + tokens - pad_rows for p in prefixes])
     mb = -(-int(lens.max()) // block_size)
-    nb = batch * mb + 2
-    k_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(nb, block_size, kv_heads, head_dim, generator=g).to(dtype)
-    table = (torch.randperm(nb - 1, generator=g)[: batch * mb] + 1).view(batch, mb)
-    q = torch.randn(batch, tokens, hq, head_dim, generator=g).to(dtype).transpose(1, 2)  # strided like transformers
-    k = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
-    v = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(dtype)
+    k_cache, v_cache, table, q, k, v = _random_case(g, batch, kv_heads, hq, head_dim, tokens, block_size, mb, dtype)
     pos = torch.tensor(prefixes).view(-1, 1) + torch.arange(tokens)
     slots = table.gather(1, (pos // block_size).clamp(max=mb - 1)) * block_size + pos % block_size
     if pad_rows:
