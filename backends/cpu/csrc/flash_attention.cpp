@@ -113,23 +113,6 @@ struct OpsF512 {
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
-// exp on 8 lanes: fxc::exp512's polynomial (Cephes, ~2 ulp on [-88, 88]).
-inline __m256 exp256(__m256 v) {
-  v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
-  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
-  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), v);
-  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), v);
-  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507E-3f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073E-3f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894E-2f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459E-1f));
-  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201E-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
 struct OpsF256 {
   using Scalar = float;
   static constexpr int W = 8;
@@ -151,7 +134,7 @@ struct OpsF256 {
   }
   static V exp_from(V s, V m) {
     const __m256 live = _mm256_cmp_ps(s, _mm256_set1_ps(kNegInf), _CMP_NEQ_OQ);
-    return _mm256_and_ps(live, exp256(_mm256_sub_ps(s, m)));
+    return _mm256_and_ps(live, fxc::exp256(_mm256_sub_ps(s, m)));
   }
   static V finite_or_zero(V m) {
     return _mm256_andnot_ps(_mm256_cmp_ps(m, _mm256_set1_ps(kNegInf), _CMP_EQ_OQ), m);

@@ -4,7 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -42,6 +42,25 @@ inline __m512 sum16(const __m512* v) {
   const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
   const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
   return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__)
+// exp on 8 lanes (AVX2 + FMA): exp512's polynomial.
+inline __m256 exp256(__m256 v) {
+  v = _mm256_max_ps(_mm256_min_ps(v, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  const __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), v);
+  v = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), v);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_fmadd_ps(y, v, _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(v, v), _mm256_add_ps(v, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
 
