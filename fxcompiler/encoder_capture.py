@@ -35,7 +35,6 @@ from .encoder_tasks import EMBED, ENCODER_FAMILIES, QA, SCORE
 log = logging.getLogger("fxcompiler.capture")
 
 ATTN_IMPLEMENTATION = "fxc_encoder"
-_registered = False
 _current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fxc_encoder_inputs", default=None)
 _calls: contextvars.ContextVar[list | None] = contextvars.ContextVar("fxc_encoder_calls", default=None)
 
@@ -110,13 +109,9 @@ def fxc_encoder_attention_forward(module, query, key, value, attention_mask, sca
 
 
 def register_encoder_attention() -> str:
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
+    from .models.attention import register_attention_function
 
-        AttentionInterface.register(ATTN_IMPLEMENTATION, fxc_encoder_attention_forward)
-        _registered = True
-    return ATTN_IMPLEMENTATION
+    return register_attention_function(ATTN_IMPLEMENTATION, fxc_encoder_attention_forward)
 
 
 def is_encoder_family(config) -> bool:

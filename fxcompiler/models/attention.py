@@ -22,7 +22,7 @@ import torch
 from ..ops.paged_attention import paged_attention
 
 ATTN_IMPLEMENTATION = "fxc_paged"
-_registered = False
+_registered: set[str] = set()  # attention implementations registered with transformers
 _current: contextvars.ContextVar[dict | None] = contextvars.ContextVar("fxc_paged_inputs", default=None)
 
 
@@ -59,15 +59,19 @@ def fxc_paged_attention_forward(module, query, key, value, attention_mask, scali
     return out, None
 
 
-def register_attention() -> str:
-    """Register the attention function (idempotent) and return its implementation name."""
-    global _registered
-    if not _registered:
+def register_attention_function(name: str, fn) -> str:
+    """Register ``fn`` as transformers' attention implementation ``name`` (once per process); returns ``name``."""
+    if name not in _registered:
         from transformers import AttentionInterface
 
-        AttentionInterface.register(ATTN_IMPLEMENTATION, fxc_paged_attention_forward)
-        _registered = True
-    return ATTN_IMPLEMENTATION
+        AttentionInterface.register(name, fn)
+        _registered.add(name)
+    return name
+
+
+def register_attention() -> str:
+    """Register the attention function (idempotent) and return its implementation name."""
+    return register_attention_function(ATTN_IMPLEMENTATION, fxc_paged_attention_forward)
 
 
 def use_paged_attention(model: torch.nn.Module) -> None:
