@@ -22,6 +22,7 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import shutil
 import subprocess
 import threading
 import warnings
@@ -83,6 +84,12 @@ def cache_dir() -> Path:
 
 def _compiler() -> str:
     return os.environ.get("CXX", "c++")
+
+
+def can_build() -> bool:
+    """Whether this machine can build the C++ kernels: a kernel ISA path (not ``aten``) and a C++ compiler.
+    Tests skip a kernel only where this is False; a kernel that fails to build where it is True is a failure."""
+    return detect_isa() != "aten" and shutil.which(_compiler()) is not None
 
 
 def _compiler_accepts(flags: list[str]) -> bool:

@@ -8,7 +8,6 @@ A bf16 output adds its own rounding: 2^-8 |ref|.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -30,10 +29,6 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 @pytest.fixture(scope="module", autouse=True)
 def _built():
     fxc.kernels_available()  # the first compile happens here, not inside a hypothesis example
-
-
-def _expect_kernels() -> bool:
-    return _build.detect_isa() != "aten" and shutil.which(os.environ.get("CXX", "c++")) is not None
 
 
 def _rand(*shape, seed, dtype=torch.float32):
@@ -60,7 +55,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w64: torch.Tensor, bias: torch.Tens
 
 
 def test_kernels_built():
-    if not _expect_kernels():
+    if not _build.can_build():
         pytest.skip("no C++ compiler / no AVX2 on this machine: ATen fallback is in use")
     assert fxc.kernels_available(), _build.state()["error"]
     assert fxc.isa() in ("avx512", "avx512+amx", "avx512+bf16dot", "avx2")
@@ -245,13 +240,13 @@ _PATHS_CODE = """
 
 
 def test_avx512_paths_without_amx():
-    if not (_expect_kernels() and fxc.kernels_available() and fxc.isa() == "avx512+amx"):
+    if not (_build.can_build() and fxc.kernels_available() and fxc.isa() == "avx512+amx"):
         pytest.skip("AMX machine only: checks the AVX-512 paths that AMX otherwise takes over")
     r = _run_py(_PATHS_CODE, {"FXCOMPILER_CPU_AMX": "0"})
     assert r.returncode == 0 and "OK avx512" in r.stdout and "amx" not in r.stdout, r.stdout + r.stderr
 
 
-@pytest.mark.skipif(not _expect_kernels() or _build.detect_isa() != "avx512",
+@pytest.mark.skipif(not _build.can_build() or _build.detect_isa() != "avx512",
                     reason="needs the AVX-512 machine to also exercise the AVX2 build")
 def test_avx2_build_matches_reference():
     """The AVX2 variant (used on CPUs without AVX-512), built and checked in a subprocess."""

@@ -6,10 +6,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from backends.cpu import attention
+from backends.cpu import _build, attention
 from fxcompiler.ops.paged_attention import paged_attention_reference
 
-pytestmark = pytest.mark.skipif(not attention.install(), reason="no C++ compiler / AVX2 on this machine")
+# skipped only where no kernel can be built; where one can, a failed build fails test_kernel_built (and the rest)
+pytestmark = pytest.mark.skipif(not _build.can_build(), reason="no C++ compiler / AVX2 on this machine")
+INSTALLED = _build.can_build() and attention.install()
+
+
+def test_kernel_built():
+    assert INSTALLED, f"the attention kernel failed to build: {attention._state['error']}"
+
 
 TOL = {torch.float32: 2e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}
 
