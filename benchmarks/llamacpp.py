@@ -24,7 +24,9 @@ contexts are 32 tokens longer than llama-bench's). Reports medians and per-round
 generated tokens per second over the whole run, prefill included (fxcompiler: one ``generate`` of the
 batch; llama.cpp: ``llama-batched-bench -npp 32 -ntg 128 -npl 64``, pl*tg / t). ``prefill``: a
 ``--prefill``-token prompt (default 512): fxcompiler 512 / time to the first token (median of 3),
-llama.cpp ``llama-bench -p 512 -n 0``. Run it alone on the machine.
+llama.cpp ``llama-bench -p 512 -n 0``. fxcompiler runs with ``enable_prefix_caching=False``: the
+repeated prompts would otherwise be served from its prefix cache, which llama-bench does not have, and
+the prefill and batch figures would measure cache hits. Run it alone on the machine.
 """
 from __future__ import annotations
 
@@ -137,7 +139,7 @@ def main() -> int:
         gguf = find_embedded_gguf(DEFAULT_MODEL_ID) if gguf_name is None else args.work / gguf_name
         if gguf is None or not gguf.exists():
             raise SystemExit(f"{gguf} is missing: run `bash scripts/build_llamacpp.sh` first")
-        llm = LLM(DEFAULT_MODEL_ID, **fx_kwargs())
+        llm = LLM(DEFAULT_MODEL_ID, enable_prefix_caching=False, **fx_kwargs())
         prompt = llm.tokenizer.decode(llm.tokenizer(TEXT)["input_ids"][:32])
         batch1, batch = fx_runners(llm, prompt, [prompt] * args.batch, args.tokens, 3)
         long_prompt = _prompt_of(llm.tokenizer, args.prefill)

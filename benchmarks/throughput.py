@@ -3,7 +3,8 @@
 Measures batch-1 time-to-first-token and decode tokens/s, and the throughput of N
 requests with prompts of mixed length (transformers: one padded static batch through
 ``generate``; fxcompiler: continuous batching through ``LLM.generate``). Reports ratios.
-Peak RSS of fxcompiler alone is measured in a child process.
+Peak RSS of fxcompiler alone is measured in a child process. fxcompiler runs without its prefix
+cache (``enable_prefix_caching=False``), since every round repeats the same prompts.
 
     .venv/bin/python benchmarks/throughput.py            # SmolLM2-135M, fp32, 2 threads, 3 interleaved rounds
     .venv/bin/python benchmarks/throughput.py --quick    # fewer tokens/requests
@@ -142,7 +143,8 @@ def rss_child(args) -> int:
 
 
 def llm_kwargs(args) -> dict:
-    kw = {}
+    # transformers recomputes every prompt; with the prefix cache on, the repeated rounds would time cache hits
+    kw = {"enable_prefix_caching": False}
     if args.auto_bfloat16_cast:
         kw["auto_bfloat16_cast"] = True
     if args.disable:
