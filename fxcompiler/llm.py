@@ -236,8 +236,12 @@ class LLM:
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, self.devices, num_blocks_per_pp_stage)
         self._workers = None
         if spec_request is not None and self.parallel_plan is not None:
-            raise _later("speculative decoding with tensor/pipeline/data parallelism (a target with rank workers)",
-                         "speculative-decoding issue")
+            if self.parallel_plan.dp > 1:
+                raise _later("speculative decoding with data_parallel_size > 1 (a proposer per replica)",
+                             "speculative-decoding issue")
+            if artifacts_export_path is not None:
+                raise _later("exporting an artifact of a tensor/pipeline-parallel target with its draft",
+                             "speculative-decoding issue")
         if kv_cache_sharing_across_beams_config is not None and not isinstance(
                 kv_cache_sharing_across_beams_config, KvCacheSharingAcrossBeamsConfig):
             raise TypeError("kv_cache_sharing_across_beams_config must be a KvCacheSharingAcrossBeamsConfig, got "
@@ -326,9 +330,20 @@ class LLM:
 
         if self.parallel_plan is not None and self.parallel_plan.tp * self.parallel_plan.pp > 1:
             # the ranks build their shards; this process schedules (data-parallel replicas: one group each)
-            self._start_parallel(llm_kwargs, loaded.config, prefill, decode, paged_attention_block_size,
+            rank_kwargs = {k: v for k, v in llm_kwargs.items()  # the draft and its speculator live in this process
+                           if not k.startswith("speculative_") and k != "num_speculative_tokens"}
+            self._start_parallel(rank_kwargs, loaded.config, prefill, decode, paged_attention_block_size,
                                  enable_prefix_caching, skip_engine, artifacts_export_path,
                                  kv_cache_sharing_across_beams_config)
+            self.speculative_llm, self.num_speculative_tokens = None, None
+            if spec_request is not None:  # verify steps run in the ranks through the engine's runner
+                from .speculative import attach
+
+                try:
+                    attach(self, spec_request)
+                except BaseException:
+                    self.shutdown()
+                    raise
             return
         options = dict(compiler_config_overrides or {})
         if mppp is not None:

@@ -5,8 +5,9 @@
 * ``"[ngram]"`` (vLLM's keyword; ``"ngram"`` too): prompt lookup, no model. Optional sizes:
   ``"[ngram]:MIN:MAX"`` (default 2 and 4 tokens);
 * a model id / local path / ``.gguf`` file: built as an :class:`~fxcompiler.LLM` with the
-  ``speculative_model_*`` arguments and the ``speculative_draft_*`` parallel sizes (default: the
-  target's), the target's devices, block size and context;
+  ``speculative_model_*`` arguments, the target's devices, block size and context. The draft runs
+  in the ``LLM`` process (a tensor/pipeline-parallel target's verify steps run in its rank workers);
+  ``speculative_draft_*`` parallel sizes other than 1 raise ``NotImplementedError``;
 * an :class:`~fxcompiler.LLM` (e.g. a bf16 or quantized copy of the target): used as it is (the
   ``speculative_draft_*`` and ``speculative_model_*`` arguments are ignored).
 
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NGRAM_KEYWORDS = ("[ngram]", "ngram")
+DRAFT_PARALLEL_SIZES = ("speculative_draft_tensor_parallel_size", "speculative_draft_pipeline_parallel_size",
+                        "speculative_draft_data_parallel_size")
 
 
 @dataclass
@@ -55,6 +58,15 @@ def parse_request(speculative_model, num_speculative_tokens, target_defaults: di
                                                or num_speculative_tokens <= 0):
         raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
     req = SpeculativeRequest(speculative_model, num_speculative_tokens, llm_kwargs, dict(target_defaults or {}))
+    parallel = {k: v for k in DRAFT_PARALLEL_SIZES if (v := llm_kwargs.get(k)) not in (None, 1)}
+    if llm_kwargs.get("speculative_draft_num_blocks_per_pp_stage") is not None:
+        parallel["speculative_draft_num_blocks_per_pp_stage"] = llm_kwargs["speculative_draft_num_blocks_per_pp_stage"]
+    if parallel and not isinstance(speculative_model, LLM) and not req.is_ngram:
+        from .llm import _later
+
+        raise _later("a tensor/pipeline/data-parallel draft (" + ", ".join(f"{k}={v!r}" for k, v in parallel.items())
+                     + "; the draft runs in the LLM process, beside a parallel target's rank workers)",
+                     "speculative-decoding issue")
     if req.is_ngram:
         _ngram_sizes(speculative_model)
     return req
@@ -97,11 +109,7 @@ def build_draft(target, req: SpeculativeRequest):
                    qparam_path=kw.get("speculative_model_qparam_path"),
                    quant_ckpt_file_path=kw.get("speculative_model_quant_ckpt_file_path"),
                    hf_overrides=dict(hf), bucket_config=kw.get("speculative_model_bucket_config"),
-                   tensor_parallel_size=kw.get("speculative_draft_tensor_parallel_size") or tgt.get("tp", 1),
-                   pipeline_parallel_size=kw.get("speculative_draft_pipeline_parallel_size") or tgt.get("pp", 1),
-                   data_parallel_size=kw.get("speculative_draft_data_parallel_size") or tgt.get("dp"),
-                   num_blocks_per_pp_stage=kw.get("speculative_draft_num_blocks_per_pp_stage"),
-                   max_seq_len_to_capture=target.max_seq_len_to_capture, devices=tgt.get("devices"),
+                   max_seq_len_to_capture=target.max_seq_len_to_capture, devices=_draft_devices(tgt.get("devices")),
                    paged_attention_block_size=target.paged_attention_block_size, cache_dir=target.cache_dir,
                    scheduler_config=target.scheduler_config, skip_engine=True)
     except ValueError as exc:
@@ -109,6 +117,15 @@ def build_draft(target, req: SpeculativeRequest):
             raise ValueError(f"speculative_model={req.model!r}: the draft's context limit is shorter than the "
                              f"target's max_seq_len_to_capture={target.max_seq_len_to_capture} ({exc})") from exc
         raise
+
+
+def _draft_devices(devices):
+    """The first of the target's devices: the draft is one process (a target's ``"cpu:0,cpu:1"`` is its ranks')."""
+    if isinstance(devices, str) and "," in devices:
+        return devices.split(",")[0].strip()
+    if isinstance(devices, (list, tuple)) and len(devices) > 1:
+        return devices[0]
+    return devices
 
 
 def check_compatible(target, draft) -> None:

@@ -32,9 +32,13 @@ class ModelRunner:
         asked for prompt logprobs. Pending copy-on-write block copies are done first."""
         self.kv.copy_blocks(self.blocks.take_pending_copies())
         inputs = self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch)
-        exe = self.executables[batch.bucket]
+        return self.run(batch.bucket, inputs)
+
+    def run(self, bucket: Bucket, inputs: tuple) -> torch.Tensor:
+        """Run ``bucket``'s executable on step inputs built by :meth:`_tensors` (also the speculative
+        verify step's, whose sequences compute k + 1 tokens each through the decode bucket)."""
         with torch.inference_mode():
-            return exe(*inputs)
+            return self.executables[bucket](*inputs)
 
     def _tensors(self, ids, pos, table, slots, seq_lens, logits_idx):
         dev = self.device

@@ -227,9 +227,8 @@ class SpeculativeDecoder:
             logits_idx.extend(range(i * T, i * T + q))
             s.num_cached = end
         inputs = runner._tensors(ids, pos, table, slots, seq_lens, np.array(logits_idx, dtype=np.int64))
-        exe = runner.executables[bucket]  # the graphs are shape-dynamic: the decode bucket's serves k + 1 tokens
-        with torch.inference_mode():
-            return exe(*inputs), layout
+        # the graphs are shape-dynamic: the decode bucket's serves k + 1 tokens (also in rank workers)
+        return runner.run(bucket, inputs), layout
 
     @staticmethod
     def _emit(engine, s: Sequence, emitted: list[int], first: int, lps, logp, rows) -> None:

@@ -191,8 +191,11 @@ class LocalStepRunner(ModelRunner):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.kv.copy_blocks(self.blocks.take_pending_copies())
         inputs = self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch)
+        return self.run(batch.bucket, inputs)
+
+    def run(self, bucket, inputs: tuple) -> torch.Tensor:
         copies, self.kv.pending = self.kv.pending, []
-        return self.step_fn(batch.bucket, [t.numpy() for t in inputs], copies)
+        return self.step_fn(bucket, [t.numpy() for t in inputs], copies)
 
 
 class RemoteKVCache:
@@ -222,9 +225,13 @@ class ParallelModelRunner(ModelRunner):
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.kv.copy_blocks(self.blocks.take_pending_copies())
         inputs = self.prepare_prefill(batch) if batch.is_prefill else self.prepare_decode(batch)
+        return self.run(batch.bucket, inputs)
+
+    def run(self, bucket, inputs: tuple) -> torch.Tensor:
+        """Broadcast the step's arrays (and the pending block copies) to the ranks; the logits come back."""
         copies, self.kv.pending = self.kv.pending, []
         arrays = [t.numpy() for t in inputs]
-        self.workers.send_all(("step", batch.bucket, arrays, copies))
+        self.workers.send_all(("step", bucket, arrays, copies))
         msg = self.workers.recv(self.logits_rank, self.step_timeout)
         return torch.from_numpy(msg[1])
 

@@ -184,6 +184,42 @@ def test_pp2_greedy_tokens_equal_one_process_and_stages_hold_their_blocks(tiny_l
     assert not any(_alive(p) for p in pids)  # the context manager's shutdown() reaped both stages
 
 
+def _blocks_all_free(llm):
+    blocks = llm.engine.scheduler.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+def test_speculative_decoding_with_a_parallel_target_equals_one_process(tiny_llama, tp_cache, reference):
+    """The verify steps (k + 1 tokens per sequence) run in the rank workers; the draft (an LLM of the
+    same tiny model, so every draft is accepted) and the n-gram proposer run in this process."""
+    with LLM(tiny_llama, cache_dir=tp_cache, skip_engine=True, **KW) as draft, \
+            LLM(tiny_llama, tensor_parallel_size=2, speculative_model=draft, num_speculative_tokens=3,
+                cache_dir=tp_cache, **KW) as tp:
+        got = [o.outputs[0].token_ids for o in tp.generate(None, PARAMS, prompt_token_ids=_prompts())]
+        assert got == reference
+        st = tp.engine.stats
+        assert st.spec_verify_steps > 0 and st.spec_accepted_tokens == st.spec_proposed_tokens > 0
+        _blocks_all_free(tp)
+    with LLM(tiny_llama, pipeline_parallel_size=2, speculative_model="[ngram]", num_speculative_tokens=3,
+             cache_dir=tp_cache, **KW) as pp:
+        got = [o.outputs[0].token_ids for o in pp.generate(None, PARAMS, prompt_token_ids=_prompts())]
+        assert got == reference
+        assert pp.engine.stats.spec_verify_steps > 0
+        _blocks_all_free(pp)
+
+
+def test_speculative_combinations_not_built_are_refused_before_any_worker_starts(tiny_llama):
+    with pytest.raises(NotImplementedError, match=r"speculative decoding with data_parallel_size > 1"):
+        LLM(tiny_llama, data_parallel_size=2, speculative_model="[ngram]", num_speculative_tokens=2, **KW)
+    with pytest.raises(NotImplementedError, match=r"data-parallel draft \(speculative_draft_tensor_parallel_size=2"):
+        LLM(tiny_llama, tensor_parallel_size=2, speculative_model=tiny_llama, num_speculative_tokens=2,
+            speculative_draft_tensor_parallel_size=2, **KW)
+    with pytest.raises(NotImplementedError, match=r"speculative_draft_num_blocks_per_pp_stage=\[1, 1\]"):
+        LLM(tiny_llama, speculative_model=tiny_llama, num_speculative_tokens=2,
+            speculative_draft_num_blocks_per_pp_stage=[1, 1], **KW)
+
+
 def test_more_stages_than_blocks_and_bad_stage_sizes_name_the_numbers(tiny_llama):
     from fxcompiler.mppp import PlanError
 
