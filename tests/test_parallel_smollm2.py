@@ -17,7 +17,7 @@ from .test_speculative_smollm2 import _check
 
 pytestmark = pytest.mark.slow
 
-# 16 prompts of 1 to about 35 tokens; the longest are prefilled in chunks of the 32-token bucket
+# 16 prompts of 1 to 30 tokens (13 lengths; the prefill buckets hold 32)
 REQUESTS = PROMPTS + [
     "Paris",
     "The three primary colours are red,",
@@ -46,7 +46,7 @@ def reference(cache):
     params = [SamplingParams(temperature=0, max_tokens=p.max_tokens, ignore_eos=True, logprobs=2) for p in PARAMS]
     with LLM(DEFAULT_MODEL_ID, cache_dir=cache, **KW) as one:
         outs = one.generate(REQUESTS, params)
-    assert len({len(o.prompt_token_ids) for o in outs}) >= 10  # the prompt lengths are mixed
+    assert len({len(o.prompt_token_ids) for o in outs}) >= 10  # mixed prompt lengths
     return outs
 
 
