@@ -413,12 +413,11 @@ class Engine:
                 s.interleaved_prefills += 1
             s.prefill_steps += 1
             s.prompt_tokens += real
-            s.padded_tokens += batch.bucket.batch_size * batch.bucket.input_ids_size - real
+            s.padded_tokens += len(batch.seqs) * max(batch.num_new) - real  # the runner computes no bucket padding
             if batch.is_chunk or batch.bucket.kv_cache_size:
                 s.prefill_chunks += 1
         else:
             s.decode_steps += 1
-            s.padded_tokens += batch.bucket.batch_size - real
         b = self.scheduler.blocks
         s.preemptions = self.scheduler.num_preemptions
         s.prefix_cache_queries, s.prefix_cache_hits = b.prefix_queries, b.prefix_hits

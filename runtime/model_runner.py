@@ -2,9 +2,12 @@
 
 Inputs are assembled with NumPy over whole arrays (block tables come from the block
 manager's matrix with one gather); Python touches each sequence once per step, never
-each token or graph op. Batches are padded to the bucket's batch size (and prefill
-prompts to its attention size); decode attends over the real context only: the
-block table is cut to the longest sequence in the batch.
+each token or graph op. The graphs are shape-dynamic (one graph serves every bucket), so
+a step computes only its real rows: ``len(seqs)`` sequences, and in prefill the longest
+``num_new`` of the batch, not the bucket's batch and attention sizes (the bucket decides
+which sequences share a step; padding a 1-token prompt to a 16-token bucket cost 34 against
+26.5 ms fp32). Decode attends over the real context only: the block table is cut to the
+longest sequence in the batch.
 """
 from __future__ import annotations
 
@@ -49,8 +52,8 @@ class ModelRunner:
     def prepare_prefill(self, batch: ScheduledBatch):
         """Each sequence computes ``num_new`` tokens from ``num_cached`` on (its whole prompt, the
         part the prefix cache lacks, or a chunk), attending over the cached context before them."""
-        seqs, bucket, bs = batch.seqs, batch.bucket, self.block_size
-        B, T = bucket.batch_size, bucket.input_ids_size
+        seqs, bs = batch.seqs, self.block_size
+        B, T = len(seqs), max(batch.num_new)  # the real rows and tokens (the graphs are shape-dynamic)
         ids = np.zeros((B, T), dtype=np.int64)
         pos = np.zeros((B, T), dtype=np.int64)
         slots = np.zeros((B, T), dtype=np.int64)  # padding writes go to the null block
@@ -81,8 +84,8 @@ class ModelRunner:
         return self._tensors(ids, pos, table, slots, seq_lens, np.array(logits_idx, dtype=np.int64))
 
     def prepare_decode(self, batch: ScheduledBatch):
-        seqs, bucket, bs = batch.seqs, batch.bucket, self.block_size
-        B, n = bucket.batch_size, len(seqs)
+        seqs, bs = batch.seqs, self.block_size
+        B = n = len(seqs)
         rows = np.array([s.slot for s in seqs], dtype=np.int64)
         lens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
         last = np.array([s.last_token for s in seqs], dtype=np.int64)
