@@ -760,6 +760,9 @@ class LLM:
             self._live.discard(rid)
             raise
         loop = asyncio.get_running_loop()
+        from runtime.worker_threads import stream_waiters
+
+        waiters = stream_waiters()  # process-wide threads, not the loop's own (new per asyncio.run)
         done = False
         # n > 1: every completion is yielded, one after another: completion i streams live once
         # completions < i have finished; the deltas of later ones wait in `held` until then.
@@ -770,7 +773,7 @@ class LLM:
             while not done:
                 pending = self._pending.pop(rid, [])
                 if not pending:
-                    await loop.run_in_executor(None, self._step_and_dispatch)
+                    await loop.run_in_executor(waiters, self._step_and_dispatch)
                     continue
                 for out in pending:
                     if out.error is not None:
