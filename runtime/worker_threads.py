@@ -1,12 +1,11 @@
 """Engine worker threads, reused from one ``EngineDriver`` (one ``LLM``) to the next.
 
-A thread that runs torch work accumulates native state that outlives nothing but the thread
-itself and is not all given back when it exits: MKL keeps each thread's sgemm buffers (about
-4 MiB per thread, ``mkl_serv_allocate``) in its memory manager after the thread is gone, the
-thread's OpenMP team is built anew, and glibc gives it a malloc arena whose pages long-lived
-allocations made from it pin. Starting a fresh worker thread per ``LLM`` made a process that
-creates and shuts down LLMs in a loop grow by ~1.5-2 MiB of RSS per LLM (scripts/soak.py,
-docs/security.md). So a worker whose job has ended does not exit: it waits, named
+A thread that runs torch work builds native state of its own: its OpenMP team (more threads),
+MKL's per-thread sgemm buffers (about 4 MiB each, ``mkl_serv_allocate``) and a glibc malloc
+arena, from which allocations that outlive the thread (caches, the next LLM's objects) are also
+served and pin its pages. Starting a fresh worker thread per ``LLM`` made a process that creates
+and shuts down LLMs in a loop grow by ~1.5-2 MiB of RSS per LLM with flat Python memory
+(scripts/soak.py, docs/security.md). So a worker whose job has ended does not exit: it waits, named
 ``fxcompiler-engine-idle``, for the next driver to hand it a job, and the state it built is
 reused instead of leaked. At most :data:`MAX_IDLE` workers wait; more exit.
 
@@ -100,10 +99,18 @@ def idle_count() -> int:
 
 
 def stream_waiters() -> concurrent.futures.ThreadPoolExecutor:
-    """The process-wide executor on which streams wait for engine outputs (sized as asyncio's default)."""
+    """The process-wide executor on which streams wait for engine outputs (sized as asyncio's default).
+
+    All its threads are started at once: a ThreadPoolExecutor otherwise adds a thread whenever a
+    task is submitted a moment before the previous one's thread has marked itself idle, so how
+    many threads it holds (and when the next one starts) would depend on timing."""
     global _waiters
     with _lock:
         if _waiters is None:
-            _waiters = concurrent.futures.ThreadPoolExecutor(max_workers=min(32, (os.cpu_count() or 1) + 4),
-                                                             thread_name_prefix="fxcompiler-stream")
+            size = min(32, (os.cpu_count() or 1) + 4)
+            pool = concurrent.futures.ThreadPoolExecutor(max_workers=size, thread_name_prefix="fxcompiler-stream")
+            all_started = threading.Barrier(size)
+            # a broken barrier (threads not all started within 30 s) only leaves the pool growing lazily
+            concurrent.futures.wait([pool.submit(all_started.wait, 30) for _ in range(size)])
+            _waiters = pool
         return _waiters

@@ -143,5 +143,11 @@ def test_a_failing_job_leaves_the_worker_usable_and_drops_its_references():
     assert second.join(10) and ran == [first.thread] and second.fn is None
 
 
-def test_streams_wait_on_one_process_wide_executor():
-    assert worker_threads.stream_waiters() is worker_threads.stream_waiters()
+def test_streams_wait_on_one_process_wide_executor_of_fixed_size():
+    pool = worker_threads.stream_waiters()
+    assert worker_threads.stream_waiters() is pool
+    size = len(pool._threads)
+    assert size == min(32, (os.cpu_count() or 1) + 4)  # all started at once, not as timing has it
+    for _ in range(100):
+        pool.submit(lambda: None).result()
+    assert len(pool._threads) == size
