@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import queue
 import logging
 import os
 import threading
 import uuid
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, AsyncGenerator, Dict, List, Literal, Mapping, Sequence
 
@@ -36,6 +38,14 @@ def default_cache_dir() -> Path:
 
 
 CACHE_DIR = default_cache_dir()
+
+
+def _step_and_dispatch_of(llm_ref: "weakref.ref[LLM]") -> None:
+    """``LLM._step_and_dispatch`` through a weak reference: a stream waiter thread that has not yet
+    dropped its finished task must not keep a dropped LLM (and its engine) alive."""
+    llm = llm_ref()
+    if llm is not None:
+        llm._step_and_dispatch()
 
 
 def _later(capability: str, issue: str) -> NotImplementedError:
@@ -775,6 +785,10 @@ class LLM:
             self._live.discard(rid)
             raise
         loop = asyncio.get_running_loop()
+        from runtime.worker_threads import stream_waiters
+
+        waiters = stream_waiters()  # process-wide threads, not the loop's own (new per asyncio.run)
+        step = functools.partial(_step_and_dispatch_of, weakref.ref(self))
         done = False
         # n > 1: every completion is yielded, one after another: completion i streams live once
         # completions < i have finished; the deltas of later ones wait in `held` until then.
@@ -785,7 +799,7 @@ class LLM:
             while not done:
                 pending = self._pending.pop(rid, [])
                 if not pending:
-                    await loop.run_in_executor(None, self._step_and_dispatch)
+                    await loop.run_in_executor(waiters, step)
                     continue
                 for out in pending:
                     if out.error is not None:

@@ -9,6 +9,7 @@ with the next step.
 """
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 
@@ -16,6 +17,7 @@ import torch
 
 from fxcompiler.outputs import RequestOutput
 
+from . import worker_threads
 from .engine import Engine
 
 _IDLE = object()
@@ -30,7 +32,7 @@ class EngineDriver:
         self.results: queue.Queue = queue.Queue(maxsize=queue_limit)
         self._state = threading.Lock()
         self._running = False
-        self._thread: threading.Thread | None = None
+        self._job: worker_threads.Job | None = None  # _serve running on a reusable worker thread
         self._wake = threading.Event()
         self._closed = False  # close(): the worker exits and the engine is released
         self.steps_in_flight_max = 0
@@ -46,16 +48,16 @@ class EngineDriver:
 
         The worker is one long-lived thread that sleeps while the engine is idle: torch's
         OpenMP team stays with the thread that starts it, so a fresh thread per busy
-        period would build a new team (and compete with the old one) each time."""
+        period would build a new team (and compete with the old one) each time. For the
+        same reason the thread is not the driver's own: it comes from (and goes back to)
+        :mod:`runtime.worker_threads`, so the next LLM reuses it."""
         if self._closed:
             raise RuntimeError("the engine driver was closed (LLM.shutdown()); create a new LLM")
         with self._state:
             if not self._running:
                 self._running = True
-                if self._thread is None or not self._thread.is_alive():
-                    self._thread = threading.Thread(target=self._serve, args=(torch.get_num_threads(),),
-                                                    name="fxcompiler-engine", daemon=True)
-                    self._thread.start()
+                if self._job is None or not self._job.is_alive():
+                    self._job = worker_threads.submit(functools.partial(self._serve, torch.get_num_threads()))
                 self._wake.set()
 
     def _serve(self, threads: int) -> None:
@@ -96,26 +98,27 @@ class EngineDriver:
                 self._running = False
 
     def close(self, timeout: float = 10.0) -> bool:
-        """Stop the worker thread (after the step it is computing) and drop the engine reference,
-        so nothing keeps the engine alive; True when the worker has exited."""
+        """Stop the worker (after the step it is computing; its thread goes back to
+        :mod:`runtime.worker_threads`) and drop the engine reference, so nothing keeps the engine
+        alive; True when the worker has stopped."""
         import time
 
         self._closed = True
         self._wake.set()
         deadline = time.monotonic() + timeout
-        thread = self._thread
-        if thread is threading.current_thread():  # closed from the worker itself: it exits after this step
+        job = self._job
+        if job is not None and job.thread is threading.current_thread():  # from the worker: it stops after this step
             return False
-        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+        while job is not None and job.is_alive() and time.monotonic() < deadline:
             try:  # a worker blocked handing over a step's outputs gets through
                 while True:
                     self.results.get_nowait()
             except queue.Empty:
                 pass
-            thread.join(0.02)
-        stopped = thread is None or not thread.is_alive()
+            job.join(0.02)
+        stopped = job is None or not job.is_alive()
         if stopped:
-            self._thread = None
+            self._job = None
             self.engine = None
         return stopped
 

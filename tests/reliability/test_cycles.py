@@ -32,18 +32,26 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _cycle(llama_dir, cache) -> list:
+def _cycle(llama_dir, cache, seen: set | None = None) -> list:
+    """One LLM created, used and shut down; ``seen`` collects the OS threads alive after its stream."""
     llm = make_llm(llama_dir, cache)
     out = [o.outputs[0].token_ids for o in llm.generate(None, SP, prompt_token_ids=PROMPTS)]
 
     async def stream():  # starts the engine's worker thread
-        return [d async for d in llm.stream_generate("", SP, prompt_token_ids=PROMPTS[0])]
+        deltas = [d async for d in llm.stream_generate("", SP, prompt_token_ids=PROMPTS[0])]
+        if seen is not None:
+            seen.update(_native_threads())
+        return deltas
 
     asyncio.run(stream())
     llm.shutdown()
     del llm
     gc.collect()
     return out
+
+
+def _native_threads() -> set[str]:
+    return set(os.listdir("/proc/self/task"))  # every OS thread: Python's, OpenMP's, MKL's
 
 
 def _state() -> dict:
@@ -62,3 +70,17 @@ def test_create_shutdown_cycles_leave_nothing_behind(llama_dir, rel_cache):
     assert after["threads"] == before["threads"], (before, after)
     assert after["objects"] - before["objects"] <= CYCLES, (before, after)  # one leaked LLM is thousands
     assert after["rss_mib"] - before["rss_mib"] < RSS_GROWTH_MIB, (before, after)
+
+
+def test_cycles_start_no_thread_per_llm(llama_dir, rel_cache):
+    """Each LLM's engine worker (and the OpenMP team it builds) and the threads streams wait on are
+    reused by the next LLM: a fresh set per LLM took ~1.5-2 MiB of native memory each time
+    (malloc arenas, per-thread MKL and OpenMP state), scripts/soak.py's RSS growth."""
+    warm: set[str] = set()
+    _cycle(llama_dir, rel_cache, warm)
+    _cycle(llama_dir, rel_cache, warm)
+    seen: set[str] = set()
+    for _ in range(CYCLES):
+        _cycle(llama_dir, rel_cache, seen)
+    started = seen - warm
+    assert not started, f"{len(started)} OS threads started by {CYCLES} LLM cycles after the warm-up"
