@@ -47,9 +47,9 @@ KNOWN_LIMITS = {
     "stablelm": "LayerNorm (not RMSNorm); per-head q/k LayerNorm: no fuse_qkv_attention",
     "gptj": "interleaved (rotate-every-two) partial rotary: no fuse_rope; GELU MLP",
     "gpt2": "LayerNorm, GELU MLP, no rope",
-    "qwen3_moe": "fxc::moe kernel in ATen (a grouped matmul per selected expert; no C++ kernel yet); q/k norm",
-    "mixtral": "fxc::moe kernel in ATen (a grouped matmul per selected expert; no C++ kernel yet)",
-    "gpt_oss": "fxc::moe kernel in ATen (no C++ kernel yet); sinks: no fuse_qkv_attention; chunked rope form: "
+    "qwen3_moe": "fxc::moe: C++ experts kernel up to 16 tokens (fp32/bf16), ATen grouped matmuls above; q/k norm",
+    "mixtral": "fxc::moe: C++ experts kernel up to 16 tokens (fp32/bf16), ATen grouped matmuls above",
+    "gpt_oss": "fxc::moe: C++ experts kernel up to 16 tokens, ATen above; sinks: no fuse_qkv_attention; chunked rope form: "
                "no fuse_rope",
 }
 PARITY = {name: ("fp64 fx, dfg, edf" if name in ("llama", "qwen3_moe") else "fp64 fx") for name in zoo_names()}

@@ -94,3 +94,84 @@ def test_capture_has_one_moe_node_per_block():
         nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.fxc.moe.default]
         assert len(nodes) == 2, name
         assert not [n for n in gm.graph.nodes if n.op == "call_function" and n.target == torch.ops.aten.bmm.default]
+
+
+# ---- the C++ experts kernel (backends/cpu/moe.py, fp32 / bf16, up to MAX_TOKENS tokens) ----
+
+import importlib  # noqa: E402
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from backends.cpu import _build  # noqa: E402
+from backends.cpu import moe as cpu_moe  # noqa: E402
+
+moe_ops = importlib.import_module("fxcompiler.ops.moe")  # the module (fxcompiler.ops.moe is also the op's name)
+needs_kernel = pytest.mark.skipif(not _build.can_build(), reason="no C++ compiler / AVX2 on this machine")
+
+
+def _via_kernel(args, want: bool = True):
+    """``moe_cpu(*args)``, asserting which path ran (the C++ kernel when ``want``)."""
+    before = dict(moe_ops.dispatch_counts)
+    out = moe_cpu(*args)
+    took = {k: moe_ops.dispatch_counts[k] - before[k] for k in before}
+    assert took == ({"kernel": 1, "aten": 0} if want else {"kernel": 0, "aten": 1}), took
+    return out
+
+
+def _random_args(seed, tokens, hidden, inter, experts, top_k, scoring, activation, transposed, biases, dtype):
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*shape, s=1.0):
+        return (torch.randn(*shape, generator=g, dtype=torch.float64) * s).to(dtype)
+
+    gate_up = r(experts, hidden, 2 * inter, s=0.2) if transposed else r(experts, 2 * inter, hidden, s=0.2)
+    down = r(experts, inter, hidden, s=0.2) if transposed else r(experts, hidden, inter, s=0.2)
+    return (r(tokens, hidden), r(experts, hidden), r(experts) if biases else None, gate_up,
+            r(experts, 2 * inter) if biases else None, down, r(experts, hidden) if biases else None, top_k, scoring,
+            scoring == moe_ops.SOFTMAX_TOPK, seed % 2 == 0, activation, transposed, 1.702, 1.5)
+
+
+@needs_kernel
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), tokens=st.integers(1, cpu_moe.MAX_TOKENS), hidden=st.integers(1, 70),
+       inter=st.integers(1, 90), experts=st.integers(1, 9), data=st.data(),
+       scoring=st.sampled_from([moe_ops.SOFTMAX_TOPK, moe_ops.TOPK_SOFTMAX]),
+       activation=st.sampled_from([moe_ops.SILU_GLU, moe_ops.CLAMPED_SWIGLU]), transposed=st.booleans(),
+       biases=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_cpp_kernel_matches_reference(seed, tokens, hidden, inter, experts, data, scoring, activation, transposed,
+                                      biases, dtype):
+    top_k = data.draw(st.integers(1, experts))
+    args = _random_args(seed, tokens, hidden, inter, experts, top_k, scoring, activation, transposed, biases, dtype)
+    got = _via_kernel(args)
+    want = moe_reference(*args)
+    assert got.dtype == want.dtype == dtype
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2 * want.abs().max().item())
+    torch.testing.assert_close(got, want, **tol)
+
+
+@needs_kernel
+def test_cpp_kernel_only_up_to_max_tokens_and_for_fp32_bf16():
+    args = _random_args(0, cpu_moe.MAX_TOKENS + 1, 16, 8, 4, 2, 0, 0, False, False, torch.float32)
+    _via_kernel(args, want=False)
+    _via_kernel(_random_args(0, 2, 16, 8, 4, 2, 0, 0, False, False, torch.float64), want=False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", zoo_names(moe=True))
+def test_cpp_kernel_reads_only_selected_experts(name):
+    """fp32 through the C++ kernel: unselected experts' weights are NaN, the output is unchanged."""
+    model = _model(name, seed=2).float()
+    x = torch.randn(1, model.config.hidden_size)  # one token (decode): every zoo model then leaves experts unused
+    with torch.no_grad():
+        args = list(_args(model, x))
+        chosen = set(moe_ops.route(x, args[1], args[2], args[7], args[8], args[9], args[10])[1].flatten().tolist())
+        unused = sorted(set(range(args[3].shape[0])) - chosen)
+        assert unused
+        want = _via_kernel(args)
+        gate_up, down = args[3].clone(), args[5].clone()
+        gate_up[unused] = float("nan")
+        down[unused] = float("nan")
+        args[3], args[5] = gate_up, down
+        assert torch.equal(_via_kernel(args), want)
+        torch.testing.assert_close(want, moe_reference(*args), rtol=1e-4, atol=1e-4)

@@ -15,9 +15,14 @@
 The ATen reference (every device, and what ``edf`` packages inline) is transformers' ``batched_mm``
 experts: it gathers each (token, expert) pair's weights, so only the selected experts are read. The CPU
 kernel loops over the experts that some token selected and multiplies their tokens with that expert's
-weights only (one weight read per selected expert, whatever the expert count).
+weights only (one weight read per selected expert, whatever the expert count); for up to a backend's
+``max_tokens`` tokens (decode, speculative verify) it hands the experts to the backend's C++ kernel
+(``fxc::moe_experts_cpu``, installed by :func:`set_moe_kernel_loader`) after the ATen router and top-k.
 """
 from __future__ import annotations
+
+import threading
+from typing import Callable
 
 import torch
 
@@ -71,11 +76,46 @@ def moe_reference(hidden, router_weight, router_bias, gate_up, gate_up_bias, dow
     return out.view(T, top_k, H).sum(dim=1).to(hidden.dtype)
 
 
+_kernel: dict = {"loader": None, "max_tokens": 0}
+# How often moe_cpu took each path in this process ("kernel": the C++ experts, "aten": grouped matmuls).
+dispatch_counts = {"kernel": 0, "aten": 0}
+_counts_lock = threading.Lock()
+
+
+def set_moe_kernel_loader(loader: Callable[[], bool] | None, max_tokens: int = 0) -> None:
+    """Install a backend's ``loader() -> bool`` (True: ``fxc::moe_experts_cpu`` is registered) and the
+    largest token count that should run it."""
+    _kernel["loader"], _kernel["max_tokens"] = loader, int(max_tokens)
+
+
+def _count(path: str) -> None:
+    with _counts_lock:
+        dispatch_counts[path] += 1
+
+
+def _use_kernel(hidden, gate_up) -> bool:
+    loader = _kernel["loader"]
+    return (loader is not None and hidden.shape[0] <= _kernel["max_tokens"] and hidden.dtype in _KERNEL_DTYPES
+            and gate_up.dtype in _KERNEL_DTYPES and loader())
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
 def moe_cpu(hidden, router_weight, router_bias, gate_up, gate_up_bias, down, down_bias, top_k: int, scoring: int,
             normalize: bool, fp32_weights: bool, activation: int, transposed: bool, alpha: float = 1.702,
             limit: float = 7.0) -> torch.Tensor:
-    """CPU kernel: one grouped matmul per *selected* expert over the tokens that chose it."""
+    """CPU kernel: the C++ experts for a few tokens, else one grouped matmul per *selected* expert over
+    the tokens that chose it."""
     weights, idx = route(hidden, router_weight, router_bias, top_k, scoring, normalize, fp32_weights)
+    if _use_kernel(hidden, gate_up):
+        _count("kernel")
+        gub = None if gate_up_bias is None else gate_up_bias.to(gate_up.dtype)
+        db = None if down_bias is None else down_bias.to(gate_up.dtype)
+        out = torch.ops.fxc.moe_experts_cpu(hidden.float(), weights.float(), idx, gate_up, gub, down.to(gate_up.dtype),
+                                            db, activation, transposed, alpha, limit)
+        return out.to(hidden.dtype)
+    _count("aten")
     T, H = hidden.shape
     flat = idx.reshape(-1)
     order = torch.argsort(flat, stable=True)
