@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 
 from ..engine_args import EngineArgs
+from .auth import APIKeyMiddleware
 from .cli_args import add_serve_args  # noqa: F401 - re-exported
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind
@@ -78,12 +79,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
     async def _openai(_req, exc: OpenAIError):
         return _error(exc)
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {api_key}":
-                return _error(OpenAIError("invalid or missing API key", 401, "AuthenticationError"))
-        return await call_next(request)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
     def check_model(model: str | None) -> None:
         if model is not None and model != name:

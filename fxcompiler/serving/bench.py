@@ -2,7 +2,8 @@
 
 Requests go to ``/v1/completions`` (streamed, ``ignore_eos``, a fixed ``--output-len``) with
 Poisson arrivals at ``--request-rate`` (``inf``: all at once) and at most ``--max-concurrency``
-in flight. Prompts are cut from text shipped with Python (``pydoc_data.topics``). Reported:
+in flight, each read by ``sse_client.post_sse`` (a lean client: its CPU time per token comes out of
+the server's on a shared host). Prompts are cut from text shipped with Python (``pydoc_data.topics``). Reported:
 TTFT, TPOT (per request, after the first token), ITL (between chunks) and end-to-end latency
 p50/p90/p99 in ms, request and output-token throughput; ``--result-json`` writes them.
 """
@@ -10,11 +11,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+
+from .sse_client import HTTPStatusError, post_sse
 
 __all__ = ["add_bench_serve_args", "bench", "run_bench_serve", "BenchResult"]
 
@@ -81,22 +85,20 @@ def _pct(values: list[float]) -> dict[str, float]:
     return {"mean": 1000.0 * statistics.fmean(s), "p50": q(0.50), "p90": q(0.90), "p99": q(0.99)}
 
 
-async def _one(client, url: str, body: dict, timeout: float) -> _Req:
+async def _one(url: str, body: dict, headers: dict[str, str], timeout: float) -> _Req:
     r = _Req()
     t0 = time.perf_counter()
-    last = None
-    try:
-        async with client.stream("POST", url, json=body, timeout=timeout) as resp:
-            if resp.status_code != 200:
-                r.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
-                return r
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
+
+    async def consume() -> None:
+        last = None
+        async with contextlib.aclosing(post_sse(url, body, headers)) as events:
+            async for data in events:  # each event as its bytes arrive: TTFT/ITL are stamped here
+                if data == "[DONE]":
                     continue
-                chunk = json.loads(line[6:])
+                chunk = json.loads(data)
                 if "error" in chunk:
                     r.error = str(chunk["error"])
-                    return r
+                    return
                 if chunk.get("usage"):
                     r.output_tokens = chunk["usage"]["completion_tokens"]
                 if not any(c.get("text") for c in chunk.get("choices", ())):
@@ -107,12 +109,17 @@ async def _one(client, url: str, body: dict, timeout: float) -> _Req:
                 else:
                     r.itl.append(now - last)
                 last = now
+
+    try:
+        await asyncio.wait_for(consume(), timeout)
+        if r.error is not None:
+            return r
         r.e2e = time.perf_counter() - t0
         r.ok = r.ttft is not None
         if not r.ok:
             r.error = "no tokens"
     except Exception as exc:  # noqa: BLE001 - counted as a failed request
-        r.error = f"{type(exc).__name__}: {exc}"
+        r.error = str(exc) if isinstance(exc, HTTPStatusError) else f"{type(exc).__name__}: {exc}"
     return r
 
 
@@ -125,6 +132,7 @@ async def _bench(args: argparse.Namespace) -> BenchResult:
         model = args.model
         if model is None:
             model = (await c.get("/v1/models")).json()["data"][0]["id"]
+        url = args.base_url.rstrip("/") + "/v1/completions"
         prompts = _prompts(args.num_prompts, args.input_len, args.seed)
         rng = random.Random(args.seed + 1)
         sem = asyncio.Semaphore(args.max_concurrency)
@@ -138,7 +146,7 @@ async def _bench(args: argparse.Namespace) -> BenchResult:
             async with sem:
                 body = {"model": model, "prompt": prompt, "max_tokens": args.output_len, "temperature": 0.0,
                         "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-                r = await _one(c, "/v1/completions", body, args.timeout)
+                r = await _one(url, body, headers, args.timeout)
             if bar is not None:
                 bar.update(1)
             return r
