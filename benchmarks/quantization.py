@@ -32,7 +32,7 @@ from fxcompiler.calibration import split_topics  # noqa: E402  (calibration / he
 SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native-q4_1", "native-q4_1-q8head",
            "wf8a32", "wf8a16",  # fp8 e4m3 weights (fxc::linear_f8), fp32 / bf16 activations
            "qformat-w8a16", "qformat-w4a16-g128", "qformat-fp8",  # qformat-*: a directory written by `fxcompiler quantize`
-           "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq")  # ...-gptq: with --algorithm gptq
+           "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq", "qformat-fp8-gptq")  # ...-gptq: with --algorithm gptq
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
            "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
 

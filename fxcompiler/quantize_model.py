@@ -11,8 +11,8 @@ OUT holds the model's own files (config, tokenizer, float safetensors weights) p
 
 Built: RTN (round to nearest) and GPTQ (:mod:`fxcompiler.gptq`, calibrated on ``--num-samples`` windows of
 ``--seq-len`` tokens of the calibration text) for ``w8a16`` (int8 per channel) and ``w4a16-g{32,64,128}``
-(asymmetric int4 per group); RTN for ``fp8`` (``wf8a16``: e4m3 weights, a scale ``amax / 448`` per channel,
-bf16 activations). SmoothQuant, GPTQ onto the fp8 grid and the W8A8/Wf8Af8/KV8 schemes raise ``NotImplementedError``.
+(asymmetric int4 per group), and ``fp8`` (``wf8a16``: e4m3 weights, a scale ``amax / 448`` per channel,
+bf16 activations; GPTQ too). SmoothQuant and the W8A8/Wf8Af8/KV8 schemes raise ``NotImplementedError``.
 """
 from __future__ import annotations
 
@@ -122,9 +122,6 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
                                   "kernels); built: rtn, gptq")
     if algorithm not in ("rtn", "gptq"):
         raise ValueError(f"--algorithm must be rtn or gptq (smoothquant: not built yet), got {algorithm!r}")
-    if algorithm == "gptq" and module_scheme.weight == "fp8":
-        raise NotImplementedError(f"--scheme {scheme} --algorithm gptq: GPTQ onto the fp8 (e4m3) grid is not "
-                                  "implemented yet (fxcompiler.gptq rounds onto the int4/int8 grids); use --algorithm rtn")
     from .gptq import GPTQConfig
 
     gptq = gptq if gptq is not None else GPTQConfig()
