@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _build, _ops, quant  # noqa: F401  (_ops defines the fxc:: operators; quant: fxc::linear_w4)
+from . import _build, _ops, quant  # noqa: F401  (_ops defines the fxc:: operators; quant: fxc::linear_w4, linear_f8)
 from ._ops import linear_aten, linear_w8_aten
 from .packing import (
     NB,
