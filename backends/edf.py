@@ -9,7 +9,7 @@ executor (:class:`backends.fx.FxExecutable`) over those modules, like the dfg ba
 weights are bound per supertask, so identical blocks share one loaded package. The packages
 update the KV-cache inputs in place, as the fx graphs do.
 
-Packages compiled for CPU call ``fxc::linear`` / ``fxc::linear_w8`` / ``fxc::paged_attention``
+Packages compiled for CPU call ``fxc::linear`` / ``fxc::linear_w8`` / ``fxc::linear_f8`` / ``fxc::paged_attention``
 through AOTInductor's proxy executor (:data:`fxcompiler.edf.EXTERN_OPS`), which resolves them
 in the c10 dispatcher when the package loads: the ``fxc`` schemas must be defined by then
 (imported below) and the CPU backend installs the C++ kernels before loading, as the fx

@@ -18,7 +18,8 @@ Candidates:
   bf16: fxc.linear (fp32 x), fxc.linear (bf16 x), and where the VDPBF16PS kernel is in use the FMA path it
         replaced (bf16 x, switched off in-process), torch.mm(x, W^T), F.linear(x, W), oneDNN packed
         (mkldnn._linear_pointwise); the torch candidates take bf16 x
-  int8: fxc.linear_w8 (per channel, and group 64), aten._weight_int8pack_mm (per channel)
+  int8: fxc.linear_w8 (per channel, and group 64), fxc.linear_f8 (fp8 e4m3 weights, also 1 byte/weight),
+        aten._weight_int8pack_mm (per channel)
 """
 
 from __future__ import annotations
@@ -136,6 +137,14 @@ def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
                    lambda x, qs=qs, s=s, gs=gs: (lambda qq: torch.ops.fxc.linear_w8(x, qq, s, None, n, gs),
                                                  [(t,) for t in qs]))
             del qs
+        import backends.cpu.quant  # noqa: F401  (fxc::linear_f8's kernel, quant_kernels.cpp)
+        from fxcompiler.ops.quant_linear import quantize_linear_weight_fp8
+
+        qf, sf = quantize_linear_weight_fp8(w)
+        qfs = [qf.clone() for _ in range(c)]
+        yield "fxc.linear_f8 (e4m3)", lambda x, qfs=qfs: (lambda qq: torch.ops.fxc.linear_f8(x, qq, sf, None, n),
+                                                         [(t,) for t in qfs])
+        del qfs
         q8 = torch.clamp(torch.round(w / (w.abs().amax(1, keepdim=True) / 127)), -127, 127).to(torch.int8)
         sc = (w.abs().amax(1) / 127).contiguous()
         q8s = [q8.clone() for _ in range(c)]

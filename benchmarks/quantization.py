@@ -9,7 +9,7 @@ Perplexity: windows of ``--window`` tokens advancing by ``--stride``; each windo
 Greedy agreement: the fraction of greedy tokens equal to fp32's over fixed prompts.
 Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, median reported.
 
-    .venv/bin/python benchmarks/quantization.py [--schemes fp32,bf16,w8a32,w8a16,w4a32-g128,native-q4_1]
+    .venv/bin/python benchmarks/quantization.py [--schemes fp32,bf16,w8a32,w8a16,w4a32-g128,native-q4_1,wf8a16]
         [--model ID_OR_DIR] [--rounds 0]     # qformat-w8a16 / qformat-w4a16-g128: via `fxcompiler quantize`
         # qformat-w4a16-g128-gptq / qformat-w8a16-gptq: `fxcompiler quantize --algorithm gptq`, calibrated on
         # --calib-samples windows of --calib-seq-len tokens of the calibration half
@@ -30,8 +30,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from fxcompiler.calibration import split_topics  # noqa: E402  (calibration / held-out halves)
 
 SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native-q4_1", "native-q4_1-q8head",
-           "qformat-w8a16", "qformat-w4a16-g128",  # qformat-*: a directory written by `fxcompiler quantize`
-           "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq")  # ...-gptq: with --algorithm gptq
+           "wf8a32", "wf8a16",  # fp8 e4m3 weights (fxc::linear_f8), fp32 / bf16 activations
+           "qformat-w8a16", "qformat-w4a16-g128", "qformat-fp8",  # qformat-*: a directory written by `fxcompiler quantize`
+           "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq", "qformat-fp8-gptq")  # ...-gptq: with --algorithm gptq
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
            "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
 
@@ -44,7 +45,7 @@ def llm_kwargs(scheme: str) -> dict:
 
     table = {
         "fp32": {}, "bf16": {"auto_bfloat16_cast": True},
-        "w8a32": q("W8A32"), "w8a16": q("W8A16"),
+        "w8a32": q("W8A32"), "w8a16": q("W8A16"), "wf8a32": q("Wf8A32"), "wf8a16": q("Wf8A16"),
         "w4a32-g128": q("W4A32", quantization_group_size=128), "w4a16-g128": q("W4A16", quantization_group_size=128),
         "native-q4_1": {"keep_gguf_quantization": True},
         "native-q4_1-q8head": {"keep_gguf_quantization": True, "quantize_lm_head": True},

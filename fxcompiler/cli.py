@@ -407,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="write a quantized model directory (qformat, qparam, recipe) LLM(OUT) loads")
     qz.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
     qz.add_argument("output", metavar="OUT", help="directory to create (must not exist or be empty)")
-    qz.add_argument("--scheme", required=True, help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 (w8a8, fp8, kv8: not built)")
+    qz.add_argument("--scheme", required=True, help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 | fp8 (= wf8a16; w8a8, wf8af8, kv8: not built)")
     qz.add_argument("--algorithm", default="rtn", help="rtn | gptq (smoothquant: not built)")
     qz.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ damping, a fraction of mean(diag H)")
     qz.add_argument("--gptq-block-size", type=int, default=128, help="GPTQ lazy-update block (columns)")

@@ -4,7 +4,7 @@
 ones: each unique fx blob (identical transformer blocks share one) is
 
 1. prepared for export: the ``fxc::*`` ops that have fast kernels on the target device
-   (:func:`extern_ops`; on CPU ``linear``, ``linear_w8`` and ``paged_attention``, the C++
+   (:func:`extern_ops`; on CPU ``linear``, ``linear_w8``, ``linear_f8`` and ``paged_attention``, the C++
    kernels of ``backends/cpu``) stay calls into the op; every other ``fxc`` node (on CPU the
    fused elementwise ``rms_norm``, ``silu_mul``, ``rope``, which Inductor fuses with their
    neighbours at least as well; on CUDA all of them) calls its ATen reference from
@@ -60,6 +60,7 @@ from .pipeline import DataBlob, Pipeline, SuperTaskKind, retarget_compute_supert
 FORMAT = "fxcompiler-edf/1"
 PACKAGE_SUFFIX = ".pt2"
 _REF_MODULES = ("fxcompiler.ops.fused", "fxcompiler.ops.paged_attention", "fxcompiler.ops.linear",
+                "fxcompiler.ops.quant_linear",
                 "fxcompiler.ops.moe")
 
 
@@ -92,7 +93,9 @@ class EdfPackage:
 # residual add, rope with the q/k split) and an extern call of what was then a Python-registered
 # kernel cost ~2 us more than a fused loop (the CPU kernels are registered from C++ since; not
 # re-measured). CUDA has no fxc kernels: everything is ATen there.
-EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_by_m", "paged_attention")}
+# fxc::linear_f8 (fp8 weights, upcast in the kernel) is kept on CPU like linear_w8: its reference would upcast
+# and scale the whole weight on every call.
+EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_f8", "linear_by_m", "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).
 # ``cpp.threads=1``: Inductor's own loops (the elementwise/reduction code around the extern
@@ -118,6 +121,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
     fused = importlib.import_module("fxcompiler.ops.fused")
     pa = importlib.import_module("fxcompiler.ops.paged_attention")
     lin = importlib.import_module("fxcompiler.ops.linear")
+    qlin = importlib.import_module("fxcompiler.ops.quant_linear")
     moe = importlib.import_module("fxcompiler.ops.moe")
     ops = torch.ops.fxc
     # The fused q/k/v attention becomes ATen head views + the rope reference (Inductor fuses them
@@ -131,6 +135,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         ops.rope.default: fused.rope_reference,
         ops.linear.default: lin.linear_reference,
         ops.linear_w8.default: lin.linear_w8_reference,
+        ops.linear_f8.default: qlin.linear_f8_reference,
         ops.linear_by_m.default: lin.linear_by_m_dense,
         ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined
     }

@@ -11,6 +11,8 @@ with ``U[block, rest]`` to the rest. The grids are fxcompiler's own (:mod:`fxcom
   q in [0, 15]), found by RTN's formula on the group's current (already error-updated) weights when the
   first column of the group is reached; symmetric int4 uses RTN's Q4_0 formula (``m = −8·s``);
 * int8 (``fxc::linear_w8``): a symmetric scale per output channel (``amax / 127``) from the unrounded weight.
+* fp8 (``fxc::linear_f8``): a scale per output channel (``amax / 448``) from the unrounded weight; each column
+  rounds to the nearest e4m3 value (ties to even) of ``w / s``.
 
 ``act_order=True`` rounds columns in order of decreasing ``H[i, i]``; the groups stay the contiguous groups
 of the original column order (scales and mins found up front from the weight, as AutoGPTQ's
@@ -79,9 +81,19 @@ def _int8_scale(w: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
 
 
+def _fp8_scale(w: torch.Tensor) -> torch.Tensor:
+    amax = w.abs().amax(dim=1, keepdim=True)
+    return torch.where(amax > 0, amax / 448.0, torch.ones_like(amax))
+
+
+def _fp8_round(v: torch.Tensor) -> torch.Tensor:
+    """The nearest e4m3 value of ``v`` (ties to even, clamped to ±448), as fp32."""
+    return torch.clamp(v, -448.0, 448.0).to(torch.float8_e4m3fn).to(torch.float32)
+
+
 def dequantize_codes(codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group: int
                      ) -> torch.Tensor:
-    """``[N, K]`` fp32 values of codes: int8 ``s·q``; int4 ``fl(s·q) + m`` (the kernels' arithmetic)."""
+    """``[N, K]`` fp32 values of codes: int8 and fp8 ``s·q``; int4 ``fl(s·q) + m`` (the kernels' arithmetic)."""
     k = codes.shape[1]
     idx = torch.arange(k) // (k if group == -1 else group)
     q = codes.to(torch.float32)
@@ -97,6 +109,9 @@ def rtn_quantize_weight(w: torch.Tensor, scheme: ModuleScheme) -> dict[str, torc
     if scheme.weight == "int8":
         s = _int8_scale(w)
         return {"weight_scale": s, "qweight": torch.clamp(torch.round(w / s), -127, 127).to(torch.int8)}
+    if scheme.weight == "fp8":
+        s = _fp8_scale(w)
+        return {"weight_scale": s, "qweight": _fp8_round(w / s).to(torch.float8_e4m3fn)}
     g = scheme.group_size
     groups = -(-k // g)
     codes, scales, mins = torch.empty(n, k), torch.empty(n, groups), torch.empty(n, groups)
@@ -112,12 +127,13 @@ def rtn_quantize_weight(w: torch.Tensor, scheme: ModuleScheme) -> dict[str, torc
 
 
 def _check_scheme(scheme: ModuleScheme, k: int) -> None:
-    if scheme.weight == "int8" and scheme.group_size != -1:
-        raise NotImplementedError("GPTQ int8 weights are per channel (group_size -1); grouped int8 GPTQ is not built")
+    if scheme.weight in ("int8", "fp8") and scheme.group_size != -1:
+        raise NotImplementedError(f"GPTQ {scheme.weight} weights are per channel (group_size -1); grouped "
+                                  f"{scheme.weight} GPTQ is not built")
     if scheme.weight == "int4" and (scheme.group_size <= 0 or scheme.group_size % 2):
         raise ValueError(f"GPTQ int4 needs a positive even group_size, got {scheme.group_size}")
-    if scheme.weight not in ("int8", "int4"):
-        raise ValueError(f"GPTQ quantizes int8 or int4 weights, got {scheme.weight!r}")
+    if scheme.weight not in ("int8", "int4", "fp8"):
+        raise ValueError(f"GPTQ quantizes int8, int4 or fp8 weights, got {scheme.weight!r}")
 
 
 def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, scheme: ModuleScheme,
@@ -130,7 +146,8 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, scheme: ModuleS
     H = hessian.detach().to(torch.float32).clone()
     if H.shape != (k, k):
         raise ValueError(f"GPTQ: Hessian shape {tuple(H.shape)} does not match K={k}")
-    int8 = scheme.weight == "int8"
+    fp8 = scheme.weight == "fp8"
+    int8 = scheme.weight == "int8" or fp8  # per channel, a static scale (fp8: e4m3 codes instead of integers)
     g = k if int8 else scheme.group_size
     groups = -(-k // g)
     dead = torch.diag(H) == 0
@@ -139,7 +156,7 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, scheme: ModuleS
     scales, mins = torch.empty(n, groups), torch.empty(n, groups)
     static = int8 or config.act_order  # params from the weight up front (int8: per channel, as GPTQ does)
     if int8:
-        scales[:, 0:1] = _int8_scale(W)
+        scales[:, 0:1] = _fp8_scale(W) if fp8 else _int8_scale(W)
     elif config.act_order:
         for j in range(groups):
             s, m = _int4_params(W[:, j * g:(j + 1) * g], scheme.symmetric)
@@ -172,7 +189,7 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, scheme: ModuleS
             wcol = W1[:, i]
             s = scales[:, gi]
             if int8:
-                q = torch.clamp(torch.round(wcol / s), -127, 127)
+                q = _fp8_round(wcol / s) if fp8 else torch.clamp(torch.round(wcol / s), -127, 127)
                 deq = q * s
             else:
                 m = mins[:, gi]
@@ -186,8 +203,8 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, scheme: ModuleS
         W[:, i2:] -= E1 @ U[i1:i2, i2:]
     inv = torch.argsort(perm)
     Q = Q[:, inv]
-    if int8:
-        return {"weight_scale": scales[:, :1].contiguous(), "qweight": Q.to(torch.int8)}
+    if int8:  # Q holds e4m3 values exactly (fp8) or integers (int8)
+        return {"weight_scale": scales[:, :1].contiguous(), "qweight": Q.to(torch.float8_e4m3fn if fp8 else torch.int8)}
     out = {"weight_scale": scales, "qweight": Q.to(torch.uint8)}
     if not scheme.symmetric:
         out["weight_min"] = mins
@@ -197,9 +214,10 @@ def gptq_quantize_weight(w: torch.Tensor, hessian: torch.Tensor, scheme: ModuleS
 def hessian_error(w: torch.Tensor, tensors: dict[str, torch.Tensor], scheme: ModuleScheme,
                   hessian: torch.Tensor) -> float:
     """``tr(D H Dᵀ)`` for ``D = W − Ŵ`` (∝ ``‖WX − ŴX‖²`` over the calibration inputs)."""
-    group = -1 if scheme.weight == "int8" else scheme.group_size
+    per_channel = scheme.weight in ("int8", "fp8")
+    group = -1 if per_channel else scheme.group_size
     d = (w.to(torch.float64) - dequantize_codes(tensors["qweight"], tensors["weight_scale"],
-                                                tensors.get("weight_min", None if scheme.weight == "int8"
+                                                tensors.get("weight_min", None if per_channel
                                                             else -8.0 * tensors["weight_scale"]),
                                                 group).to(torch.float64))
     return float(torch.einsum("nk,kl,nl->", d, hessian.to(torch.float64), d))
@@ -307,8 +325,9 @@ def gptq_quantize_model(model: torch.nn.Module, samples: list[torch.Tensor], mod
                 result.stats[m]["weight"] = w.clone()  # the weight GPTQ saw (for tests)
             for suffix, v in t.items():
                 result.tensors[f"{m}.{suffix}"] = v
-            group = -1 if scheme.weight == "int8" else scheme.group_size
-            mins = t.get("weight_min", None if scheme.weight == "int8" else -8.0 * t["weight_scale"])
+            per_channel = scheme.weight in ("int8", "fp8")
+            group = -1 if per_channel else scheme.group_size
+            mins = t.get("weight_min", None if per_channel else -8.0 * t["weight_scale"])
             with torch.no_grad():
                 lin.weight.copy_(dequantize_codes(t["qweight"], t["weight_scale"], mins, group).to(lin.weight.dtype))
             bar.update(1)

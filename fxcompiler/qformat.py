@@ -11,8 +11,8 @@ it gives the :class:`~fxcompiler.quant_config.QuantizationConfig`. The rest is Y
       "model.layers.0.mlp.down_proj": {weight: bf16}          # kept in high precision
       lm_head: {weight: int8}                                 # the output projection is kept unless named
 
-A scheme is ``weight`` (``int8``, ``int4``, or ``bf16``/``fp32`` = kept), ``granularity``
-(``channel`` or ``group``), ``group_size`` (int4: 32, 64, 128 ...; int8: a divisor of K) and
+A scheme is ``weight`` (``int8``, ``int4``, ``fp8`` (e4m3, per channel only), or ``bf16``/``fp32`` = kept),
+``granularity`` (``channel`` or ``group``), ``group_size`` (int4: 32, 64, 128 ...; int8: a divisor of K) and
 ``symmetric`` (int8 is always symmetric; int4 symmetric is Q4_0-style). Module names are
 transformers' (``model.layers.0.mlp.down_proj``, ``lm_head``).
 """
@@ -35,7 +35,7 @@ _TOP_KEYS = {"format", "default", "modules"}
 
 @dataclass(frozen=True)
 class ModuleScheme:
-    """How one matmul's weight is stored: ``weight`` ``int8`` | ``int4`` | ``keep``; ``group_size``
+    """How one matmul's weight is stored: ``weight`` ``int8`` | ``int4`` | ``fp8`` | ``keep``; ``group_size``
     -1 = per output channel."""
 
     weight: str
@@ -80,8 +80,12 @@ def parse_scheme(raw: Any, where: str, path: str) -> ModuleScheme:
     if dtype in (QDtype.BF16, QDtype.FP32):
         return ModuleScheme("keep")
     if dtype == QDtype.FP8:
-        raise NotImplementedError(f"qformat_path={path!r}: {where}.weight=fp8: fp8 (e4m3) weights need an "
-                                  "upcasting kernel that is not implemented yet")
+        if raw.get("granularity", "channel") != "channel" or raw.get("group_size", -1) != -1:
+            raise _err(path, f"{where}: fp8 weights have one scale per output channel (fxc::linear_f8); "
+                             "granularity 'group' / a group_size is not available")
+        if raw.get("symmetric", True) is not True:
+            raise _err(path, f"{where}: fp8 weights are symmetric (fxc::linear_f8 has no zero point)")
+        return ModuleScheme("fp8", -1, True)
     gran = raw.get("granularity", "channel" if dtype == QDtype.INT8 and "group_size" not in raw else "group")
     if gran not in ("channel", "group"):
         raise _err(path, f"{where}.granularity must be 'channel' or 'group', got {gran!r}")
@@ -107,6 +111,8 @@ def _default_scheme(config: QuantizationConfig) -> ModuleScheme:
         return ModuleScheme("int8", -1, True)
     if config.weight == QDtype.INT4:
         return ModuleScheme("int4", 128, False)
+    if config.weight == QDtype.FP8:
+        return ModuleScheme("fp8", -1, True)
     return ModuleScheme("keep")
 
 

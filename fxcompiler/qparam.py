@@ -3,11 +3,11 @@
 A safetensors file (or an ``.npz`` read with ``allow_pickle=False``) with, per quantized module ``M``
 (transformers' name, e.g. ``model.layers.0.mlp.down_proj``; weight ``[N, K]``, ``G`` groups along K):
 
-* ``M.weight_scale`` float32 ``[N, G]`` (``G = 1`` per channel): int8 ``w = s·q``; int4 ``w = s·q + m``;
+* ``M.weight_scale`` float32 ``[N, G]`` (``G = 1`` per channel): int8 and fp8 ``w = s·q``; int4 ``w = s·q + m``;
 * ``M.weight_min`` float32 ``[N, G]``: int4 asymmetric only (Q4_1-style min; symmetric int4 has
   ``m = −8·s``);
 * ``M.qweight`` (optional): the codes, int8 ``[N, K]`` (−128 included, as compressed-tensors' symmetric
-  int8 has it) or uint8 ``[N, K]`` in [0, 15]; absent, the
+  int8 has it), uint8 ``[N, K]`` in [0, 15], or float8_e4m3fn ``[N, K]`` (fp8, no NaN); absent, the
   ``quantize`` pass rounds the checkpoint's float weight onto the given scales.
 
 Smoothing factors (``M.smooth_factor``) belong to W8A8 SmoothQuant, which is not implemented; a
@@ -130,10 +130,12 @@ class QParamSet:
         groups = 1 if group == -1 else -(-k // group)
         if weight == "int8" and group != -1 and k % group:
             raise _err(self.path, f"int8 group_size={group} does not divide K={k} of {', '.join(modules)}")
+        if weight == "fp8" and group != -1:
+            raise _err(self.path, f"fp8 weights have one scale per output channel, got group_size={group}")
         what = f"int8 scale per {'channel' if group == -1 else f'group of {group}'}" if weight == "int8" \
-            else f"int4 scale per group of {group}"
-        # int8: s > 0; asymmetric int4: s >= 0 (0 for a constant group); symmetric int4 (Q4_0): any sign
-        sign = True if weight == "int8" else (None if symmetric else False)
+            else "fp8 scale per channel" if weight == "fp8" else f"int4 scale per group of {group}"
+        # int8/fp8: s > 0; asymmetric int4: s >= 0 (0 for a constant group); symmetric int4 (Q4_0): any sign
+        sign = True if weight in ("int8", "fp8") else (None if symmetric else False)
         scales = [self._scales(f"{m}.weight_scale", None if len(modules) > 1 else n, groups, what, sign)
                   for m in modules]
         rows = [s.shape[0] for s in scales]
@@ -144,7 +146,7 @@ class QParamSet:
         for m in modules:
             if not asym and f"{m}.weight_min" in self.tensors:
                 raise _err(self.path, f"unexpected tensor {m}.weight_min: the scheme of {m} is "
-                                      f"{'int8' if weight == 'int8' else 'symmetric int4'} (no min)")
+                                      f"{weight if weight != 'int4' else 'symmetric int4'} (no min)")
         mins = [self._scales(f"{m}.weight_min", r, groups, "int4 min per group", None) if asym else
                 (-8.0 * s if weight == "int4" else None) for m, s, r in zip(modules, scales, rows)]
         codes, start = [], 0
@@ -154,6 +156,14 @@ class QParamSet:
             key = f"{m}.qweight"
             if key in self.tensors:
                 q = self._get(key, "codes")
+                if weight == "fp8":
+                    if q.dtype != torch.float8_e4m3fn or tuple(q.shape) != (r, k):
+                        raise _err(self.path, f"tensor {key!r} is {q.dtype} {list(q.shape)}, expected "
+                                              f"torch.float8_e4m3fn [{r}, {k}]")
+                    if not bool(torch.isfinite(q.to(torch.float32)).all()):
+                        raise _err(self.path, f"tensor {key!r} has NaN fp8 codes")
+                    codes.append(q)
+                    continue
                 lo, hi, dtype = (-128, 127, torch.int8) if weight == "int8" else (0, 15, torch.uint8)
                 if q.dtype != dtype or tuple(q.shape) != (r, k):
                     raise _err(self.path, f"tensor {key!r} is {q.dtype} {list(q.shape)}, expected {dtype} [{r}, {k}]")
@@ -164,10 +174,15 @@ class QParamSet:
             idx = torch.arange(k) // (k if group == -1 else group)
             se = s[:, idx]
             safe = torch.where(se != 0, se, torch.ones_like(se))
-            if weight == "int8":
+            if weight == "fp8":
+                codes.append(torch.clamp(part / safe, -448.0, 448.0).to(torch.float8_e4m3fn))
+            elif weight == "int8":
                 codes.append(torch.clamp(torch.round(part / safe), -127, 127).to(torch.int8))
             else:
                 codes.append(torch.clamp(torch.round((part - mn[:, idx]) / safe), 0, 15).to(torch.uint8))
+        if weight == "fp8":  # float8 has no cat on every build: through its bytes
+            return (torch.cat([c.view(torch.uint8) for c in codes], 0).view(torch.float8_e4m3fn),
+                    torch.cat(scales, 0), None)
         return (torch.cat(codes, 0), torch.cat(scales, 0), None if weight == "int8" else torch.cat(mins, 0))
 
     def check_all_used(self) -> None:

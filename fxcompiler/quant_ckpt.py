@@ -155,8 +155,8 @@ def read_scheme(qc: dict) -> CkptScheme:
     fmt = qc.get("format")
     if fmt != "pack-quantized":
         raise NotImplementedError(f"quantization_config.format={fmt!r}: of compressed-tensors only 'pack-quantized' "
-                                  "(int4/int8 weight-only) is read; float-quantized fp8 needs an fp8 kernel that is "
-                                  "not built")
+                                  "(int4/int8 weight-only) is read; float-quantized fp8 checkpoints are not mapped onto "
+                                  "fxc::linear_f8 yet (fp8 weights from a float model: Wf8A16 / --scheme fp8)")
     groups = []
     for gname, g in (qc.get("config_groups") or {}).items():
         where = f"config_groups.{gname}"

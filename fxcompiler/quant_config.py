@@ -12,7 +12,9 @@ never silently casts; see docs/quantization.md):
 * ``W16A16`` (bf16 weights and activations): the ``auto_bfloat16_cast`` pass;
 * ``W8A16`` / ``W8A32`` (int8 weights, float activations): ``fxc::linear_w8`` (symmetric,
   per-channel or per-group scales);
-* ``W4A16`` / ``W4A32``: ``fxc::linear_w4`` (asymmetric int4, scale and min per group of 32/64/128).
+* ``W4A16`` / ``W4A32``: ``fxc::linear_w4`` (asymmetric int4, scale and min per group of 32/64/128);
+* ``Wf8A16`` / ``Wf8A32`` (fp8 e4m3 weights, float activations): ``fxc::linear_f8`` (a scale per
+  output channel, ``amax / 448``). furiosa's ``w_f8_a_f8*`` keep the activations in fp8, which is not built.
 """
 from __future__ import annotations
 
@@ -124,6 +126,10 @@ class QuantizationConfig:
     def w_4_a_16(cls) -> "QuantizationConfig":
         return cls(QDtype.INT4, QDtype.BF16, None)
 
+    @classmethod
+    def w_f8_a_16(cls) -> "QuantizationConfig":
+        return cls(QDtype.FP8, QDtype.BF16, None)
+
     # -- short form ---------------------------------------------------------------------------------
     def __str__(self) -> str:
         text = f"W{_SHORT[self.weight]}A{_SHORT[self.activation]}"
@@ -195,12 +201,13 @@ def parse_qformat_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 def supported_reason(config: QuantizationConfig) -> str | None:
     """None when fxcompiler executes ``config``; else why not (the NotImplementedError text)."""
-    if config.activation in (QDtype.INT8, QDtype.FP8):
-        return (f"{config}: quantized activations (W8A8 / FP8 activations) need per-token activation "
-                "quantization kernels (VNNI/AMX) that are not implemented yet; weight-only schemes "
-                "(W8A16, W4A16) are")
-    if config.weight == QDtype.FP8:
-        return f"{config}: fp8 (e4m3) weights need an upcasting kernel that is not implemented yet"
+    if config.activation == QDtype.INT8:
+        return (f"{config}: quantized activations (W8A8) need per-token int8 activation quantization kernels "
+                "(VNNI/AMX) that are not implemented yet; weight-only schemes (W8A16, W4A16, Wf8A16) are")
+    if config.activation == QDtype.FP8:
+        return (f"{config}: fp8 activations need per-token fp8 activation quantization and an fp8 x fp8 matmul "
+                "kernel, which are not implemented yet; fp8 weights with bf16 or fp32 activations (Wf8A16, "
+                "Wf8A32: fxc::linear_f8) are")
     if config.kv_cache in (QDtype.INT8, QDtype.FP8):
         return (f"{config}: an {config.kv_cache.value} KV cache needs scales inside the paged-attention kernels, "
                 "which are not implemented yet (a cast without scales would silently lose accuracy)")

@@ -3,6 +3,7 @@
 * ``llm_config.quantization_config``: ``W16A16`` → the ``auto_bfloat16_cast`` pass; ``W8A16`` /
   ``W8A32`` → int8 weights (per channel, or ``quantization_group_size``) with bf16 / fp32
   activations; ``W4A16`` / ``W4A32`` → int4 weights, group ``quantization_group_size`` (default 128);
+  ``Wf8A16`` / ``Wf8A32`` → fp8 (e4m3) weights with a scale per output channel;
   everything else raises ``NotImplementedError`` with the reason (:func:`quant_config.supported_reason`).
 * ``keep_gguf_quantization=True`` (a GGUF source, e.g. the embedded default): the checkpoint's
   Q4_0/Q4_1/Q8_0 blocks are used as they are (exact); other tensors stay as transformers
@@ -132,6 +133,11 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
                 raise ValueError("quantization_group_size=-1 (per channel) is not available for int4 weights; "
                                  "use 32, 64 or 128")
             opts = {"weight": "int4", "group_size": 128 if group_size is None else group_size}
+        elif w == QDtype.FP8:
+            if group_size not in (None, -1):
+                raise ValueError(f"quantization_group_size={group_size} with fp8 weights: fxc::linear_f8 has one "
+                                 "scale per output channel (use -1 or leave it unset)")
+            opts = {"weight": "fp8", "group_size": -1}
     if keep_gguf_quantization and not check_source:
         opts.setdefault("weight", "native")
     elif keep_gguf_quantization:

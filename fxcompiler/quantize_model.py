@@ -11,7 +11,8 @@ OUT holds the model's own files (config, tokenizer, float safetensors weights) p
 
 Built: RTN (round to nearest) and GPTQ (:mod:`fxcompiler.gptq`, calibrated on ``--num-samples`` windows of
 ``--seq-len`` tokens of the calibration text) for ``w8a16`` (int8 per channel) and ``w4a16-g{32,64,128}``
-(asymmetric int4 per group). SmoothQuant and the W8A8/FP8/KV8 schemes raise ``NotImplementedError``.
+(asymmetric int4 per group), and ``fp8`` (``wf8a16``: e4m3 weights, a scale ``amax / 448`` per channel,
+bf16 activations; GPTQ too). SmoothQuant and the W8A8/Wf8Af8/KV8 schemes raise ``NotImplementedError``.
 """
 from __future__ import annotations
 
@@ -32,23 +33,28 @@ from .quant_options import QFORMAT_FILE, QPARAM_FILE
 __all__ = ["RECIPE_FILE", "parse_scheme", "quantize_model"]
 
 RECIPE_FILE = "quantization_recipe.json"
-_LATER = {"w8a8": "W8A8 (per-token int8 activation kernels, SmoothQuant)", "fp8": "FP8 (e4m3) weight kernels",
+_LATER = {"w8a8": "W8A8 (per-token int8 activation kernels, SmoothQuant)",
+          "fp8-act": "fp8 activations (per-token fp8 activation quantization and an fp8 x fp8 matmul kernel)",
           "kv8": "an int8/fp8 KV cache with scales inside the paged-attention kernels"}
+_BUILT = "w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16)"
 
 
 def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
-    """``w8a16`` | ``w4a16-g{32,64,128}`` → (config, the modules' scheme)."""
+    """``w8a16`` | ``w4a16-g{32,64,128}`` | ``fp8`` / ``wf8a16`` → (config, the modules' scheme)."""
     s = scheme.strip().lower()
     if s == "w8a16":
         return QuantizationConfig.w_i8_a_16(), ModuleScheme("int8", -1, True)
+    if s in ("fp8", "wf8a16"):
+        return QuantizationConfig.w_f8_a_16(), ModuleScheme("fp8", -1, True)
+    if s in ("wf8af8", "w8a8"):
+        key = "w8a8" if s == "w8a8" else "fp8-act"
+        raise NotImplementedError(f"--scheme {scheme}: {_LATER[key]} not implemented yet (issue 17); built: {_BUILT}")
     m = re.fullmatch(r"w4a16-g(32|64|128)", s)
     if m:
         return QuantizationConfig.w_4_a_16(), ModuleScheme("int4", int(m.group(1)), False)
-    if s in _LATER:
-        raise NotImplementedError(f"--scheme {scheme}: {_LATER[s]} not implemented yet (issue 17); "
-                                  "built: w8a16, w4a16-g32, w4a16-g64, w4a16-g128")
-    raise ValueError(f"--scheme must be w8a16, w4a16-g32, w4a16-g64, w4a16-g128 (or w8a8, fp8, kv8, not built yet), "
-                     f"got {scheme!r}")
+    if s == "kv8":
+        raise NotImplementedError(f"--scheme {scheme}: {_LATER[s]} not implemented yet (issue 17); built: {_BUILT}")
+    raise ValueError(f"--scheme must be {_BUILT} (or w8a8, wf8af8, kv8, not built yet), got {scheme!r}")
 
 
 def _linear_modules(config) -> list[str]:
@@ -83,6 +89,11 @@ def _rtn(w: torch.Tensor, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
 
     w = w.detach().to(torch.float32)
     n, k = w.shape
+    if scheme.weight == "fp8":
+        from .ops.quant_linear import quantize_fp8_codes
+
+        q, s = quantize_fp8_codes(w)
+        return {"weight_scale": s, "qweight": q}
     if scheme.weight == "int8":
         amax = w.abs().amax(dim=1, keepdim=True)
         s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
@@ -158,7 +169,7 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
         if f.is_file() and f.name not in (QFORMAT_FILE, QPARAM_FILE, RECIPE_FILE):
             shutil.copy2(f, out / f.name)
     write_qformat(out / QFORMAT_FILE, config_q, module_scheme, {},
-                  {"weight_calib_method": "AMAX_SYM" if module_scheme.weight == "int8" else "MINMAX_ASYM",
+                  {"weight_calib_method": "AMAX_SYM" if module_scheme.weight in ("int8", "fp8") else "MINMAX_ASYM",
                    "algorithm": algorithm, **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
     save_qparam(out / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm,
                                              **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})

@@ -12,6 +12,7 @@ the compile-cache key), absent or None = nothing to do:
   codes): missing, extra or misshapen tensors raise naming the tensor; ``"int8"`` → ``fxc::linear_w8`` (symmetric, per-channel when ``group_size`` is -1, else
   per group of ``group_size`` along K, which must divide K); ``"int4"`` → ``fxc::linear_w4``
   (asymmetric scale + min per group of ``group_size``, default 128; a shorter last group is allowed);
+  ``"fp8"`` → ``fxc::linear_f8`` (e4m3 codes, one scale ``amax / 448`` per output channel);
   ``"native"`` → only the checkpoint's own quantized tensors (``gguf``), everything else kept;
 * ``symmetric`` (int4 only): Q4_0-style codes instead of Q4_1-style;
 * ``lm_head``: also quantize the output projection (the tied embedding's ``lm_head``) to int8 — per
@@ -24,7 +25,8 @@ the compile-cache key), absent or None = nothing to do:
 
 Ensures: each rewritten matmul (``+ bias``) computes ``x @ dequant(Wq)`` with fp32 accumulation; with
 ``gguf`` that is exactly the captured float weight, so the function is unchanged up to accumulation
-order; with RTN the weight error per value is at most half a quantization step (scale/2).
+order; with RTN the weight error per value is at most half a quantization step (scale/2; fp8: half an e4m3 ulp,
+``max(|w|/16, scale/1024)``).
 Signature: each rewritten weight ``W`` becomes parameter inputs ``<W>.q``, ``<W>.scales`` (and
 ``<W>.mins`` for int4); ``W`` is dropped unless something else reads it (a tied embedding's lookup).
 """
@@ -36,7 +38,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxcompiler.ops.linear import NB, _pad_rows, _panels, quantize_linear_weight_int8
-from fxcompiler.ops.quant_linear import pack_int4, quantize_linear_weight_int4
+from fxcompiler.ops.quant_linear import pack_fp8, pack_int4, quantize_linear_weight_fp8, quantize_linear_weight_int4
 from fxcompiler.pass_manager import CompileContext, PassError, PassResult, register_pass
 from fxcompiler.qparam import QParamSet as _QParams
 
@@ -110,8 +112,8 @@ class QuantizePass:
         if not cfg:
             return PassResult(gm, False, {"quantized": 0})
         weight = cfg.get("weight", "int8")
-        if weight not in ("int8", "int4", "native", "rules"):
-            raise PassError(f"quantize: weight must be 'int8', 'int4', 'native' or 'rules', got {weight!r}")
+        if weight not in ("int8", "int4", "fp8", "native", "rules"):
+            raise PassError(f"quantize: weight must be 'int8', 'int4', 'fp8', 'native' or 'rules', got {weight!r}")
         rules, default = _rules(cfg, weight)
         native = None
         if cfg.get("gguf"):
@@ -142,6 +144,9 @@ class QuantizePass:
                 if kind == "w4":
                     q, s, m, gs = args
                     new = graph.call_function(torch.ops.fxc.linear_w4.default, (site.x, q, s, m, site.bias, site.n, gs))
+                elif kind == "f8":
+                    q, s = args
+                    new = graph.call_function(torch.ops.fxc.linear_f8.default, (site.x, q, s, site.bias, site.n))
                 else:
                     q, s, gs = args
                     new = graph.call_function(torch.ops.fxc.linear_w8.default, (site.x, q, s, site.bias, site.n, gs))
@@ -224,12 +229,20 @@ class QuantizePass:
             codes, scales, mins = qparam.codes_for([_module_name(n) for n in names], w, weight, group,
                                                    bool(scheme.get("symmetric", weight == "int8")))
             info["from_qparam"] = info.get("from_qparam", 0) + 1
+            if weight == "fp8":
+                q, s = pack_fp8(codes, scales)
+                return "f8", self._add(gm, ctx, target, info, q=q, scales=s)
             if weight == "int4":
                 q, s, m = pack_int4(codes, scales, mins, group)
                 return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
             q, s, gs = pack_int8_codes(codes, scales)
             return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
         info["rtn"] += 1
+        if weight == "fp8":
+            if group != -1:
+                raise PassError(f"quantize: fp8 weights have one scale per output channel, got group_size={group}")
+            q, s = quantize_linear_weight_fp8(w)
+            return "f8", self._add(gm, ctx, target, info, q=q, scales=s)
         if weight == "int4":
             q, s, m = quantize_linear_weight_int4(w, group, bool(scheme.get("symmetric", False)))
             return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)

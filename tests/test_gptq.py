@@ -16,13 +16,13 @@ from fxcompiler.quantize_model import _rtn
 from tests._quant_checks import assert_engine_uses_file_codes
 
 SCHEMES = [ModuleScheme("int8", -1, True), ModuleScheme("int4", 32, False), ModuleScheme("int4", 64, False),
-           ModuleScheme("int4", 32, True)]
+           ModuleScheme("int4", 32, True), ModuleScheme("fp8", -1, True)]
 
 
 def _dequant(t: dict, scheme: ModuleScheme, k: int) -> torch.Tensor:
     """An independent dequantiser of the qparam tensors (float64)."""
-    q, s = t["qweight"].double(), t["weight_scale"].double()
-    if scheme.weight == "int8":
+    q, s = t["qweight"].float().double(), t["weight_scale"].double()
+    if scheme.weight in ("int8", "fp8"):
         return q * s
     idx = torch.arange(k) // scheme.group_size
     m = t["weight_min"].double() if "weight_min" in t else -8.0 * s
@@ -42,12 +42,15 @@ def test_gptq_with_a_diagonal_hessian_is_rtn(n, blocks, which, act_order, seed):
     ref = _rtn(w, scheme)  # the RTN path `fxcompiler quantize --algorithm rtn` writes
     assert got.keys() == ref.keys()
     for key in ref:
-        assert got[key].dtype == ref[key].dtype and torch.equal(got[key], ref[key]), key
+        a, b = (t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t for t in (got[key], ref[key]))
+        assert got[key].dtype == ref[key].dtype and torch.equal(a, b), key
     # and the bound RTN keeps: at most half a step per value (one step for symmetric int4 at its clamp)
     step = ref["weight_scale"].double().abs()
     if scheme.weight == "int4":
         step = step.repeat_interleave(scheme.group_size, 1)[:, :k]
     bound = step * (1.0 if scheme.symmetric and scheme.weight == "int4" else 0.5) + 1e-6
+    if scheme.weight == "fp8":  # half an e4m3 ulp
+        bound = torch.maximum(w.double().abs() / 16, step / 1024) * (1 + 1e-6) + 1e-12
     assert bool(((_dequant(got, scheme, k) - w.double()).abs() <= bound).all())
 
 
@@ -81,7 +84,7 @@ def test_gptq_beats_rtn_on_every_linear_of_a_tiny_llama(tiny_llama_model):
     path, model = tiny_llama_model
     modules = _linear_modules(model.config)
     samples, _ = calibration_samples(calibration_text(), None, model.config.vocab_size, 4, 32, seed=0)
-    for scheme in (ModuleScheme("int4", 32, False), ModuleScheme("int8", -1, True)):
+    for scheme in (ModuleScheme("int4", 32, False), ModuleScheme("int8", -1, True), ModuleScheme("fp8", -1, True)):
         m = copy.deepcopy(model)
         res = gptq_quantize_model(m, samples, modules, scheme, progress=False, keep_hessians=True)
         assert sorted(res.hessians) == sorted(modules) and len(modules) == 14

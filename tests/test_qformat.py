@@ -134,6 +134,71 @@ def test_qparam_scales_without_codes_round_like_rtn(program, tmp_path):
                                         codes.float() * scales)
 
 
+F8META = "--weight_dtype fp8 --act_dtype bf16 --kv_dtype bf16 --weight_calib_method AMAX_SYM\n"
+
+
+def _fp8_qparam(program, mods=ATTN + MLP, codes=True):
+    from fxcompiler.ops.quant_linear import quantize_fp8_codes
+
+    tensors = {}
+    for mod, w in _weights(program).items():
+        if mod.split(".")[-1] in mods:
+            q, s = quantize_fp8_codes(w)
+            tensors[f"{mod}.weight_scale"] = s
+            if codes:
+                tensors[f"{mod}.qweight"] = q
+    return tensors
+
+
+def test_fp8_qformat_with_qparam_codes_reproduces_the_grid_model(program, tmp_path):
+    """fp8 (e4m3) codes and per-channel scales from the file (safetensors F8_E4M3) through the pass."""
+    f = tmp_path / "w.yaml"
+    write_qformat(f, QuantizationConfig.w_f8_a_16(), ModuleScheme("fp8", -1, True), {"lm_head": ModuleScheme("keep")})
+    assert load_qformat(f).default == ModuleScheme("fp8", -1, True)
+    assert f.read_text().startswith("--weight_dtype fp8 --act_dtype bf16")
+    tensors = _fp8_qparam(program)
+    grid = testing.copy_program(program)
+    grid.info.pop("tiny_key", None)
+    for mod in _weights(program):
+        grid.params[f"model.{mod}.weight"] = tensors[f"{mod}.qweight"].float() * tensors[f"{mod}.weight_scale"]
+    opts = _opts(tmp_path, "", tensors, meta=F8META)  # no default: --weight_dtype fp8 gives fp8 per channel
+    assert opts["default"] == {"weight": "fp8", "group_size": -1, "symmetric": True}
+    info = _run(grid, opts)
+    assert info["ops"] == {"f8": 4} and info["kept"] == 1 and info["from_qparam"] == 4
+
+
+def test_fp8_qparam_scales_without_codes_round_like_rtn(program, tmp_path):
+    from fxcompiler.ops.quant_linear import quantize_fp8_codes
+    from fxcompiler.qparam import QParamSet
+
+    mod = "model.layers.0.mlp.down_proj"
+    w = _weights(program)[mod]
+    q, s = quantize_fp8_codes(w)
+    save_qparam(tmp_path / "d.safetensors", {f"{mod}.weight_scale": s})
+    codes, scales, mins = QParamSet(tmp_path / "d.safetensors").codes_for([mod], w, "fp8", -1, True)
+    assert mins is None and torch.equal(codes.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scales, s)
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda t: t.update({"model.layers.0.self_attn.o_proj.qweight": torch.zeros(32, 32, dtype=torch.int8)}),
+     "'model.layers.0.self_attn.o_proj.qweight' is torch.int8 \\[32, 32\\], expected torch.float8_e4m3fn"),
+    (lambda t: t.update({"model.layers.0.self_attn.o_proj.qweight":
+                         torch.full((32, 32), 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)}),
+     "'model.layers.0.self_attn.o_proj.qweight' has NaN fp8 codes"),
+    (lambda t: t.update({"model.layers.0.self_attn.o_proj.weight_scale": torch.zeros(32, 1)}),
+     "'model.layers.0.self_attn.o_proj.weight_scale' has 32 non-finite or non-positive"),
+    (lambda t: t.update({"model.layers.0.mlp.down_proj.weight_min": torch.zeros(32, 1)}),
+     "unexpected tensor model.layers.0.mlp.down_proj.weight_min: the scheme of .* is fp8 \\(no min\\)"),
+])
+def test_bad_fp8_qparam_names_the_tensor(program, tmp_path, edit, match):
+    from fxcompiler.pass_manager import PassError
+
+    tensors = _fp8_qparam(program)
+    edit(tensors)
+    with pytest.raises((ValueError, PassError), match=match):
+        _run(program, _opts(tmp_path, "", tensors, meta=F8META))
+
+
 def test_npz_qparam_is_read_without_pickle(program, tmp_path):
     tensors = _rtn_qparam(program, int4_mods=())
     np.savez(tmp_path / "qp.npz", **{k: v.numpy() for k, v in tensors.items()})
@@ -154,7 +219,13 @@ def test_npz_qparam_is_read_without_pickle(program, tmp_path):
     (META, 'default: {weight: int4, group_size: 33}\n', ValueError, "default.group_size must be a positive even"),
     (META, 'modules:\n  "*": {weight: int8, granularity: channel, group_size: 64}\n', ValueError,
      "granularity 'channel' takes no group_size"),
-    (META, 'modules:\n  "*": {weight: fp8}\n', NotImplementedError, "fp8 \\(e4m3\\) weights"),
+    (META, 'modules:\n  "*": {weight: fp8, granularity: group, group_size: 32}\n', ValueError,
+     "fp8 weights have one scale per output channel"),
+    (META, 'modules:\n  "*": {weight: fp8, symmetric: false}\n', ValueError, "fp8 weights are symmetric"),
+    ("--weight_dtype fp8 --act_dtype fp8 --kv_dtype bf16\n", "", NotImplementedError,
+     "Wf8Af8KV16: fp8 activations need per-token fp8 activation quantization"),
+    ("--weight_dtype fp8 --act_dtype bf16 --kv_dtype fp8-E4M3\n", "", NotImplementedError,
+     "an fp8 KV cache needs scales"),
     ("--weight_dtype int8 --act_dtype int8 --kv_dtype bf16\n", "", NotImplementedError, "quantized activations"),
     ("--weight_dtype int8 --act_dtype fp32 --kv_dtype bf16\n", "", ValueError,
      "--kv_dtype bf16 with --act_dtype fp32: the KV cache is kept in the activation dtype"),

@@ -1,4 +1,5 @@
-"""Quantization (issue 17): config, packers, fxc::linear_w4 kernel, GGUF native blocks, the quantize pass."""
+"""Quantization (issue 17): config, packers, fxc::linear_w4 kernel, GGUF native blocks, the quantize pass
+(int8, int4 and fp8 e4m3 weights)."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,8 +10,9 @@ from hypothesis import strategies as st
 
 from fxcompiler.config import LLMConfig, QDtype, QuantizationConfig
 from fxcompiler.ops.linear import dequantize_linear_weight_int8
-from fxcompiler.ops.quant_linear import (dequantize_int4_codes, dequantize_linear_weight_int4, linear_w4,
-                                         linear_w4_reference, pack_int4, quantize_linear_weight_int4, unpack_int4)
+from fxcompiler.ops.quant_linear import (dequantize_int4_codes, dequantize_linear_weight_fp8, dequantize_linear_weight_int4,
+                                         linear_w4, linear_w4_reference, pack_fp8, pack_int4, quantize_fp8_codes,
+                                         quantize_linear_weight_fp8, quantize_linear_weight_int4, unpack_fp8, unpack_int4)
 from fxcompiler.quant_config import parse_qformat_metadata
 from fxcompiler.quant_options import quantization_options
 
@@ -19,7 +21,7 @@ from fxcompiler.quant_options import quantization_options
 @pytest.mark.parametrize("preset, text", [("w_i8_a_i8_kv_i8", "W8A8KV8"), ("w_i8_a_i8", "W8A8KV16"),
                                           ("w_f8_a_f8_kv_f8", "Wf8Af8KVf8"), ("w_4_a_16_kv_f8", "W4A16KVf8"),
                                           ("w_16_a_16_kv_16", "W16A16KV16"), ("w_16_a_16", "W16A16"),
-                                          ("w_i8_a_16", "W8A16"), ("w_4_a_16", "W4A16")])
+                                          ("w_i8_a_16", "W8A16"), ("w_4_a_16", "W4A16"), ("w_f8_a_16", "Wf8A16")])
 def test_presets_round_trip_through_str(preset, text):
     cfg = getattr(QuantizationConfig, preset)()
     assert str(cfg) == text
@@ -54,8 +56,10 @@ def test_from_qformat_reads_furiosa_metadata_line(tmp_path):
 
 @pytest.mark.parametrize("cfg, match", [
     (QuantizationConfig.w_i8_a_i8(), "quantized activations"),
-    (QuantizationConfig("fp8", "bf16"), "fp8 \\(e4m3\\) weights"),
+    (QuantizationConfig.w_f8_a_f8(), "Wf8Af8KV16: fp8 activations need per-token fp8 activation quantization"),
+    (QuantizationConfig.w_f8_a_f8_kv_f8(), "fp8 activations need .*Wf8A16, Wf8A32"),
     (QuantizationConfig("int8", "bf16", "int8"), "KV cache needs scales"),
+    (QuantizationConfig("fp8", "bf16", "fp8"), "Wf8A16KVf8: an fp8 KV cache needs scales"),
 ])
 def test_unimplemented_schemes_raise_with_reason(cfg, match):
     with pytest.raises(NotImplementedError, match=match):
@@ -78,6 +82,16 @@ def test_quantization_option_errors(tmp_path):
     assert quantization_options(QuantizationConfig.w_16_a_16()) == (None, True)
     opts, bf16 = quantization_options(QuantizationConfig("int4", "fp32"), group_size=64)
     assert opts["weight"] == "int4" and opts["group_size"] == 64 and not bf16 and opts["scheme"] == "W4A32"
+
+
+def test_fp8_weight_schemes_are_built():
+    """Wf8A16 / Wf8A32 (once NotImplementedError): fp8 weights, activations as the config says."""
+    opts, bf16 = quantization_options(QuantizationConfig.from_str("Wf8A16"))
+    assert opts == {"weight": "fp8", "group_size": -1, "lm_head": False, "scheme": "Wf8A16"} and bf16
+    opts, bf16 = quantization_options(QuantizationConfig("fp8", "fp32"), group_size=-1)
+    assert opts["weight"] == "fp8" and opts["scheme"] == "Wf8A32" and not bf16
+    with pytest.raises(ValueError, match="quantization_group_size=32 with fp8 weights.*one scale per output channel"):
+        quantization_options(QuantizationConfig.w_f8_a_16(), group_size=32)
 
 
 # -- packers / unpackers (property tests against the reference dequantiser) -------------------------------
@@ -119,6 +133,40 @@ def test_int8_codes_packer_matches_reference(n, k, gs, seed):
     packed, ps, got_gs = pack_int8_codes(q, s)
     ref = q.float() * s.repeat_interleave(k // groups, 1)
     assert torch.equal(dequantize_linear_weight_int8(packed, ps, n, got_gs), ref)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 70), k=st.integers(1, 200), scale=st.floats(1e-6, 1e3), seed=st.integers(0, 2**16))
+def test_fp8_rtn_error_bound_and_pack_round_trip(n, k, scale, seed):
+    """Per value |w − s·q| ≤ max(|w|/16, s/1024) (half an e4m3 ulp), s = amax/448 per row, codes never NaN;
+    pack/unpack is the identity and the packed dequantisation is s·float(q)."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * scale
+    w[0, 0] = 0.0  # zeros and an all-zero row stay exact
+    if n > 1:
+        w[1] = 0.0
+    q, s = quantize_fp8_codes(w)
+    assert q.dtype == torch.float8_e4m3fn and s.shape == (n, 1)
+    amax = w.abs().amax(1, keepdim=True)
+    assert torch.equal(s, torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)))
+    qf = q.float()
+    assert bool(torch.isfinite(qf).all()) and float(qf.abs().max()) <= 448.0
+    err = (qf * s - w).abs()
+    assert (err <= torch.maximum(w.abs() / 16, s / 1024) * (1 + 1e-6) + 1e-30).all()
+    packed, ps = pack_fp8(q, s)
+    q2, s2 = unpack_fp8(packed, ps, n)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(s2, s[:, 0])
+    assert torch.equal(dequantize_linear_weight_fp8(packed, ps, n), qf * s)
+    p2, ps2 = quantize_linear_weight_fp8(w)
+    assert torch.equal(p2.view(torch.uint8), packed.view(torch.uint8)) and torch.equal(ps2, ps)
+
+
+def test_fp8_packer_errors():
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize_fp8_codes(torch.tensor([[1.0, float("inf")]]))
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        pack_fp8(torch.zeros(2, 3), torch.ones(2))
+    with pytest.raises(ValueError, match="one per output channel"):
+        pack_fp8(torch.zeros(2, 3).to(torch.float8_e4m3fn), torch.ones(3))
 
 
 # -- GGUF blocks ------------------------------------------------------------------------------------------
@@ -202,6 +250,9 @@ def _requantized_program(cfg, weight: str, group: int):
         if weight == "int4":
             p, s, m = quantize_linear_weight_int4(w, group)
             program.params[name] = dequantize_linear_weight_int4(p, s, m, w.shape[0], group)
+        elif weight == "fp8":
+            p, s = quantize_linear_weight_fp8(w)
+            program.params[name] = dequantize_linear_weight_fp8(p, s, w.shape[0])
         else:
             p, s = quantize_linear_weight_int8(w, group)
             program.params[name] = dequantize_linear_weight_int8(p, s, w.shape[0], group)
@@ -212,7 +263,7 @@ def _requantized_program(cfg, weight: str, group: int):
 @given(cfg=st.sampled_from([None]).flatmap(lambda _: __import__("fxcompiler.testing", fromlist=["x"]).model_configs(
            archs=("llama", "qwen2", "mistral"))),
        bucket=st.sampled_from([None]).flatmap(lambda _: __import__("fxcompiler.testing", fromlist=["x"]).buckets()),
-       scheme=st.sampled_from([("int4", 32), ("int4", 64), ("int8", -1), ("int8", 8)]))
+       scheme=st.sampled_from([("int4", 32), ("int4", 64), ("int8", -1), ("int8", 8), ("fp8", -1)]))
 def test_quantize_pass_is_lossless_on_grid_weights(cfg, bucket, scheme):
     from fxcompiler import testing
     from fxcompiler.pass_manager import get_pass
@@ -224,7 +275,7 @@ def test_quantize_pass_is_lossless_on_grid_weights(cfg, bucket, scheme):
         QuantizePass({"weight": weight, "group_size": group}), program, testing.example_inputs(program, bucket),
         rtol=1e-4, atol=1e-4, passes_before=(get_pass("weight_layout"), get_pass("fuse_projections")))
     assert info["quantized"] >= 3 * cfg.layers and info["kept"] == 1  # qkv, o, gate_up, down per layer; lm_head kept
-    assert set(info["ops"]) == {"w4" if weight == "int4" else "w8"}
+    assert set(info["ops"]) == {{"int4": "w4", "int8": "w8", "fp8": "f8"}[weight]}
 
 
 def test_quantize_pass_lm_head_option_and_errors():
@@ -242,7 +293,7 @@ def test_quantize_pass_lm_head_option_and_errors():
     with pytest.raises(PassError, match="group_size=24 does not divide K=32"):
         testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int8", "group_size": 24}), program, inputs,
                                                 passes_before=before)
-    with pytest.raises(PassError, match="weight must be 'int8', 'int4', 'native' or 'rules'"):
+    with pytest.raises(PassError, match="weight must be 'int8', 'int4', 'fp8', 'native' or 'rules'"):
         testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int2"}), program, inputs, passes_before=before)
 
 
@@ -250,6 +301,10 @@ def test_quantize_pass_lm_head_option_and_errors():
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_i8_a_i8_kv_i8())), NotImplementedError,
      "quantized activations"),
+    (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_f8_a_f8())), NotImplementedError,
+     "fp8 activations need"),
+    (dict(quantization_group_size=64, llm_config=LLMConfig(quantization_config=QuantizationConfig.w_f8_a_16())),
+     ValueError, "with fp8 weights"),
     (dict(qformat_path="qformat.yaml"), ValueError, "qformat_path='qformat.yaml' cannot be read"),
     (dict(qparam_path="qparam.safetensors"), ValueError, "qparam_path='qparam.safetensors' needs a qformat_path"),
     (dict(quant_ckpt_file_path="ckpt"), ValueError, "quant_ckpt_file_path='ckpt' does not exist"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from fxcompiler import LLM, SamplingParams
 from fxcompiler.calibration import split_topics
@@ -25,6 +26,7 @@ def test_pydoc_topics_split_is_deterministic_and_disjoint():
 @pytest.mark.parametrize("argv, match", [
     (["--scheme", "w8a8"], "W8A8 .* not implemented yet"),
     (["--scheme", "kv8"], "KV cache with scales .* not implemented yet"),
+    (["--scheme", "wf8af8"], "fp8 activations .* not implemented yet.*built: .*fp8"),
     (["--scheme", "w4a16-g48"], "--scheme must be w8a16"),
     (["--scheme", "w8a16", "--algorithm", "smoothquant"], "--algorithm smoothquant is not implemented yet"),
     (["--scheme", "w8a16", "--algorithm", "awq"], "--algorithm must be rtn or gptq"),
@@ -55,6 +57,37 @@ def test_quantized_directory_loads_and_matches_rtn(tiny_models, tmp_path, capsys
 
     qp = load_file(str(out / "qparam.safetensors"))
     assert_engine_uses_file_codes(llm, qp, "model.layers.1.mlp.down_proj", 64)
+    outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    llm.shutdown()
+
+
+def test_fp8_directory_loads_with_the_file_codes(tiny_models, tmp_path):
+    """``--scheme fp8`` (once NotImplementedError): e4m3 codes + per-channel scales; LLM(OUT) runs Wf8A16 on
+    fxc::linear_f8 with exactly the file's codes and scales."""
+    from safetensors.torch import load_file
+
+    from fxcompiler.ops.quant_linear import unpack_fp8
+
+    out = tmp_path / "f8"
+    assert main(["quantize", str(tiny_models["llama"]), str(out), "--scheme", "fp8"]) == 0
+    recipe = json.loads((out / "quantization_recipe.json").read_text())
+    assert recipe["config"] == "Wf8A16" and recipe["module_scheme"] == {"weight": "fp8", "group_size": -1,
+                                                                       "symmetric": True}
+    assert (out / "qformat.yaml").read_text().startswith("--weight_dtype fp8 --act_dtype bf16 --kv_dtype bf16")
+    qp = load_file(str(out / "qparam.safetensors"))
+    mod = "model.layers.1.mlp.down_proj"
+    assert qp[f"{mod}.qweight"].dtype == torch.float8_e4m3fn
+    llm = LLM(str(out), max_seq_len_to_capture=64, cache_dir=None)
+    info = next(h for h in llm.pass_history if h["pass"] == "quantize")
+    assert info["from_qparam"] == 8 and info["ops"] == {"f8": 8} and info["kept"] == 1
+    assert llm.quantization["scheme"] == "Wf8A16KV16"
+    base = next(k for k in llm._build.params if mod.removeprefix("model.") in k and k.endswith(".q"))[:-2]
+    q, sc = unpack_fp8(llm._build.params[base + ".q"], llm._build.params[base + ".scales"],
+                       qp[f"{mod}.qweight"].shape[0])
+    assert torch.equal(q.view(torch.uint8), qp[f"{mod}.qweight"].view(torch.uint8))
+    assert torch.equal(sc, qp[f"{mod}.weight_scale"][:, 0])
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]

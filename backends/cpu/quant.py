@@ -1,4 +1,4 @@
-"""CPU kernels of the quantized-weight ops (``fxc::linear_w4``), from ``csrc/quant_kernels.cpp``.
+"""CPU kernels of the quantized-weight ops (``fxc::linear_w4``, ``fxc::linear_f8``), from ``csrc/quant_kernels.cpp``.
 
 Built on first use through :func:`backends.cpu._build.load_extension` into its own cache entry (so
 it never rebuilds the main kernel library), with ``-ffp-contract=off`` so that the dequantised tile
@@ -32,7 +32,7 @@ def _load():
 def ensure_loaded() -> bool:
     """Build/load the quantized kernels once per process; True when they are active."""
     return _build.load_once(_state, _lock, _load,
-                            "fxcompiler quantized CPU kernels unavailable; fxc::linear_w4 runs its ATen reference") \
+                            "fxcompiler quantized CPU kernels unavailable; fxc::linear_w4 and fxc::linear_f8 run their ATen references") \
         is not None
 
 

@@ -1,4 +1,5 @@
-"""``fxc::linear_w4``: int4 weight-only matmul with a per-group scale **and** min (GGUF Q4_0/Q4_1 exact).
+"""``fxc::linear_w4`` / ``fxc::linear_f8``: int4 (scale **and** min per group, GGUF Q4_0/Q4_1 exact) and fp8
+(e4m3, scale per output channel) weight-only matmuls.
 
 IR level (importable by passes and backends): schema, fake kernel, ATen reference, and the pure
 PyTorch packers/unpackers the ``quantize`` pass and the GGUF repacker use.
@@ -20,6 +21,12 @@ GGUF mapping: Q4_1 (``d·q + m``): scale = d, min = m. Q4_0 (``d·(q − 8)``): 
 (``d·q − 8d`` is exact in fp32 because d is an fp16 value, so it equals ``d·(q − 8)`` bit for bit).
 torch's ``_weight_int4pack_mm_for_cpu`` uses ``(q − 8)·s + z``: for Q4_1 that needs ``z = m + 8d``, whose
 fp32 rounding is not exact, which is why this op carries the min directly.
+
+``fxc::linear_f8(Tensor x, Tensor w_f8_packed, Tensor scales, Tensor? bias, int n) -> Tensor``
+    x ``[..., K]`` fp32 or bf16; returns ``[..., n]`` in x's dtype, fp32 accumulation.
+    ``w_f8_packed``: ``float8_e4m3fn [P, K, 32]`` (``fxc::linear_w8``'s layout, one byte per weight),
+    ``scales``: ``float32 [P*32]``, one per output channel, ``s = amax / 448``; value
+    ``w[n, k] = s[n] · float(q[n, k])`` (the e4m3 → fp32 upcast is exact; NaN codes stay NaN).
 """
 from __future__ import annotations
 
@@ -31,8 +38,9 @@ import torch.nn.functional as F
 
 from .linear import NB, _pad_rows, _panels
 
-__all__ = ["dequantize_linear_weight_int4", "linear_w4", "linear_w4_reference", "pack_int4", "quantize_linear_weight_int4",
-           "set_quant_kernel_loader", "unpack_int4"]
+__all__ = ["FP8", "dequantize_linear_weight_fp8", "dequantize_linear_weight_int4", "linear_f8", "linear_f8_reference",
+           "linear_w4", "linear_w4_reference", "pack_fp8", "pack_int4", "quantize_fp8_codes", "quantize_linear_weight_fp8",
+           "quantize_linear_weight_int4", "set_quant_kernel_loader", "unpack_fp8", "unpack_int4"]
 
 _lib = torch.library.Library("fxc", "FRAGMENT")
 _lib.define("linear_w4(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, int n, "
@@ -161,21 +169,110 @@ _reentry = threading.local()
 
 
 def set_quant_kernel_loader(loader: Callable[[], bool] | None) -> None:
-    """Install a backend's ``loader() -> bool`` (True: a CPU kernel for ``fxc::linear_w4`` is now registered)."""
+    """Install a backend's ``loader() -> bool`` (True: CPU kernels for ``fxc::linear_w4`` and ``fxc::linear_f8``
+    are now registered)."""
     global _loader
     _loader = loader
 
 
-def _composite(*args):
-    x = args[0]
-    if _loader is not None and x.device.type == "cpu" and not getattr(_reentry, "active", False) and _loader():
-        _reentry.active = True
-        try:
-            return torch.ops.fxc.linear_w4.default(*args)
-        finally:
-            _reentry.active = False
-    return linear_w4_reference(*args)
+def _composite_of(op, reference):
+    def impl(*args):
+        x = args[0]
+        if _loader is not None and x.device.type == "cpu" and not getattr(_reentry, "active", False) and _loader():
+            _reentry.active = True
+            try:
+                return op(*args)
+            finally:
+                _reentry.active = False
+        return reference(*args)
+
+    return impl
 
 
-_lib.impl("linear_w4", _composite, "CompositeExplicitAutograd")
+_lib.impl("linear_w4", _composite_of(torch.ops.fxc.linear_w4.default, linear_w4_reference), "CompositeExplicitAutograd")
 linear_w4 = torch.ops.fxc.linear_w4.default
+
+
+# ---------------------------------------------------------------------------
+# fxc::linear_f8: fp8 (e4m3) weight-only, one scale per output channel
+# ---------------------------------------------------------------------------
+_lib.define("linear_f8(Tensor x, Tensor w_f8_packed, Tensor scales, Tensor? bias, int n) -> Tensor")
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+
+
+def quantize_fp8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes float8_e4m3fn [N, K], scales float32 [N, 1])`` of a ``[N, K]`` weight: ``s = amax / 448`` per
+    output channel (1 for an all-zero row), ``q = fp8(w / s)`` rounded to nearest even (torch's cast).
+
+    Error per value: ``|w − s·q| ≤ max(|w| / 16, s / 1024)`` (half an e4m3 ulp: 2^-4 relative for normals,
+    2^-10 absolute for the subnormals below 2^-6)."""
+    if w.dim() != 2:
+        raise ValueError(f"expected a [N, K] weight, got shape {tuple(w.shape)}")
+    w = w.detach().to(device="cpu", dtype=torch.float32)
+    if not bool(torch.isfinite(w).all()):
+        raise ValueError("fp8 quantization: the weight has non-finite values")
+    amax = w.abs().amax(dim=1, keepdim=True) if w.shape[1] else w.new_zeros(w.shape[0], 1)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = torch.clamp(w / scale, -FP8_MAX, FP8_MAX).to(FP8)
+    return q, scale
+
+
+def pack_fp8(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack fp8 codes ``[N, K]`` and per-channel scales (``[N]`` or ``[N, 1]``) for ``fxc::linear_f8``:
+    ``(float8_e4m3fn [P, K, 32], float32 [P*32])``, tails zero padded."""
+    if q.dim() != 2 or q.dtype != FP8:
+        raise ValueError(f"expected float8_e4m3fn [N, K] codes, got {q.dtype} {tuple(q.shape)}")
+    n, k = q.shape
+    s = scales.reshape(-1).to(torch.float32)
+    if s.numel() != n:
+        raise ValueError(f"fp8 scales must be one per output channel ([N={n}] or [N, 1]), got {tuple(scales.shape)}")
+    p = _panels(n)
+    # float8 has no cat/zeros on every build: pad through its bytes
+    raw = _pad_rows(q.view(torch.uint8), p * NB).reshape(p, NB, k).permute(0, 2, 1).contiguous()
+    return raw.view(FP8), _pad_rows(s, p * NB).contiguous()
+
+
+def quantize_linear_weight_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 e4m3 weight-only quantization of a ``[N, K]`` weight (:func:`quantize_fp8_codes`), packed for
+    ``fxc::linear_f8``. Returns ``(packed_fp8, scales)``."""
+    return pack_fp8(*quantize_fp8_codes(w))
+
+
+def unpack_fp8(packed: torch.Tensor, scales: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_fp8`: ``(codes float8_e4m3fn [n, K], scales float32 [n])``."""
+    p, k, nb = packed.shape
+    q = packed.view(torch.uint8).permute(0, 2, 1).reshape(p * nb, k)[:n].contiguous().view(FP8)
+    return q, scales[:n]
+
+
+def dequantize_linear_weight_fp8(packed: torch.Tensor, scales: torch.Tensor, n: int) -> torch.Tensor:
+    """The fp32 ``[n, K]`` weight ``fxc::linear_f8`` multiplies by: ``s·float(q)`` (the upcast is exact)."""
+    q, s = unpack_fp8(packed, scales, n)
+    return q.to(torch.float32) * s[:, None]
+
+
+@torch.library.register_fake("fxc::linear_f8", lib=_lib)
+def _linear_f8_fake(x, w_f8_packed, scales, bias, n):
+    k = x.shape[-1]
+    torch._check(x.dtype in (torch.float32, torch.bfloat16), lambda: f"fxc::linear_f8: x dtype {x.dtype}")
+    torch._check(w_f8_packed.dtype == FP8 and w_f8_packed.dim() == 3 and w_f8_packed.shape[2] == NB,
+                 lambda: f"fxc::linear_f8: packed weight must be float8_e4m3fn [P, K, 32], got "
+                         f"{w_f8_packed.dtype} {tuple(w_f8_packed.shape)}")
+    torch._check(w_f8_packed.shape[1] == k, lambda: f"fxc::linear_f8: K mismatch (x has K={k})")
+    torch._check(scales.dim() == 1 and scales.shape[0] == w_f8_packed.shape[0] * NB,
+                 lambda: "fxc::linear_f8: scales must be float32 [P*32]")
+    torch._check(n <= w_f8_packed.shape[0] * NB, lambda: f"fxc::linear_f8: n={n} larger than the packed panels")
+    return x.new_empty(tuple(x.shape[:-1]) + (n,))
+
+
+def linear_f8_reference(x, w_f8_packed, scales, bias, n):
+    """ATen implementation of ``fxc::linear_f8``: upcast the fp8 codes, scale, then an fp32 matmul."""
+    w = dequantize_linear_weight_fp8(w_f8_packed, scales, n).to(x.device)
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), w, b).to(x.dtype)
+
+
+_lib.impl("linear_f8", _composite_of(torch.ops.fxc.linear_f8.default, linear_f8_reference), "CompositeExplicitAutograd")
+linear_f8 = torch.ops.fxc.linear_f8.default

@@ -1,6 +1,7 @@
-// fxcompiler CPU quantized-weight kernels (issue 17): fxc::linear_w4.
+// fxcompiler CPU quantized-weight kernels (issue 17): fxc::linear_w4, fxc::linear_f8.
 //
 //   fxc::linear_w4(x, w_int4_packed, scales, mins, bias?, n, group_size)
+//   fxc::linear_f8(x, w_f8_packed, scales, bias?, n)
 //
 // Schema, fake kernel and ATen reference: fxcompiler/ops/quant_linear.py. Layout (NB = 32 columns
 // per panel, P = ceil(N/32), G = ceil(K/group_size)):
@@ -13,8 +14,17 @@
 // streamed once per row block at 0.5 byte per value, which is what makes batch-1 decode faster
 // than fp32/bf16 weights.
 //
+// fxc::linear_f8: w_f8_packed float8_e4m3fn [P, K, 32] (fxc::linear_w8's layout), scales float [P*32]
+// (one per output channel); w = s * float(q). The e4m3 byte is upcast in the kernel with F16C: its
+// magnitude bits shifted left by 7 are the fp16 with the same exponent and mantissa fields, which is
+// the e4m3 value times 2^-8 (subnormals included; vcvtph2ps converts fp16 subnormals exactly, whatever
+// MXCSR.DAZ says), the sign moves to bit 15, and the NaN codes 0x7F/0xFF become fp16 NaN. The 2^8 is
+// folded into the per-channel scale, applied once per output. M <= 4 (decode) streams the panel
+// directly, one byte per weight, converting 32 values per k with fmadds into R x 32 accumulators;
+// larger M converts each panel once per 64-row block into an fp32 tile and reuses micro<R>.
+//
 // Build flags choose the ISA: -DFXC_AVX512 (intrinsics) or -DFXC_AVX2 (the same loops written for
-// the compiler's auto-vectoriser).
+// the compiler's auto-vectoriser; linear_f8's upcast uses AVX2 + F16C intrinsics).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -175,6 +185,170 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------
+// fxc::linear_f8
+// ---------------------------------------------------------------------------------------------------
+constexpr float kF8Fold = 256.0f;  // the F16C upcast gives the e4m3 value times 2^-8
+
+#if defined(FXC_AVX512)
+// 32 e4m3 bytes -> 32 floats (times 2^-8) in two zmm.
+inline void f8x32(const uint8_t* b, __m512& lo, __m512& hi) {
+  const __m512i v = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi16(0x7F));
+  __m512i h = _mm512_or_si512(_mm512_slli_epi16(mag, 7), _mm512_slli_epi16(_mm512_and_si512(v, _mm512_set1_epi16(0x80)), 8));
+  h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7F)), _mm512_set1_epi16(0x7E00));
+  lo = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+  hi = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+}
+#else
+// 8 e4m3 bytes -> 8 floats (times 2^-8).
+inline __m256 f8x8(const uint8_t* b) {
+  const __m128i v = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b)));
+  const __m128i mag = _mm_and_si128(v, _mm_set1_epi16(0x7F));
+  __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_slli_epi16(_mm_and_si128(v, _mm_set1_epi16(0x80)), 8));
+  h = _mm_blendv_epi8(h, _mm_set1_epi16(0x7E00), _mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7F)));
+  return _mm256_cvtph_ps(h);
+}
+#endif
+
+// tile[k][j] = float(q[k][j]) * 2^-8 for k in [0, K)
+void upcast_panel_f8(const uint8_t* w, int64_t K, float* tile) {
+  for (int64_t k = 0; k < K; ++k) {
+    const uint8_t* b = w + k * NB;
+    float* t = tile + k * NB;
+#if defined(FXC_AVX512)
+    __m512 lo, hi;
+    f8x32(b, lo, hi);
+    _mm512_storeu_ps(t, lo);
+    _mm512_storeu_ps(t + 16, hi);
+#else
+    for (int j = 0; j < NB; j += 8) _mm256_storeu_ps(t + j, f8x8(b + j));
+#endif
+  }
+}
+
+// acc[r][0..32) = sum_k x[r][k] * float(q[k][.]) * 2^-8 for R rows, straight from the fp8 panel.
+template <int R>
+inline void micro_f8(const float* x, int64_t ldx, const uint8_t* w, int64_t K, float* acc) {
+#if defined(FXC_AVX512)
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 t0, t1;
+    f8x32(w + k * NB, t0, t1);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
+      a[r][0] = _mm512_fmadd_ps(xb, t0, a[r][0]);
+      a[r][1] = _mm512_fmadd_ps(xb, t1, a[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * NB, a[r][0]);
+    _mm512_storeu_ps(acc + r * NB + 16, a[r][1]);
+  }
+#else
+  __m256 a[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) a[r][v] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m256 t[4];
+    for (int v = 0; v < 4; ++v) t[v] = f8x8(w + k * NB + 8 * v);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_set1_ps(x[r * ldx + k]);
+      for (int v = 0; v < 4; ++v) a[r][v] = _mm256_fmadd_ps(xb, t[v], a[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(acc + r * NB + 8 * v, a[r][v]);
+#endif
+}
+
+at::Tensor linear_f8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fxc::linear_f8: CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "fxc::linear_f8: x must be float32 or bfloat16, got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && w.dim() == 3 && w.size(1) == K && w.size(2) == NB &&
+                  w.is_contiguous(),
+              "fxc::linear_f8: packed weight must be contiguous float8_e4m3fn [P, K, 32] with K=", K, ", got ",
+              w.scalar_type(), " ", w.sizes());
+  const int64_t P = w.size(0);
+  TORCH_CHECK(n >= 0 && n <= P * NB, "fxc::linear_f8: n=", n, " larger than the packed panels");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
+                  scales.size(0) == P * NB,
+              "fxc::linear_f8: scales must be contiguous float32 [P*32] = [", P * NB, "], got ", scales.sizes());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options());
+  const int64_t M = K ? x.numel() / K : 0;
+  if (out.numel() == 0) return out;
+  if (K == 0) {  // an empty sum: the bias (or zeros)
+    out.zero_();
+    if (bias.has_value() && bias->defined()) out.add_(bias->to(x.scalar_type()));
+    return out;
+  }
+  at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  std::vector<float> bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "fxc::linear_f8: bias must be [n]");
+    at::Tensor b = bias->to(at::kFloat).contiguous();
+    bf.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
+  }
+  std::vector<float> sc(static_cast<size_t>(P) * NB);
+  const float* sp = scales.data_ptr<float>();
+  for (int64_t i = 0; i < P * NB; ++i) sc[i] = sp[i] * kF8Fold;
+  const float* xp = xf.data_ptr<float>();
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  float* of = out_bf16 ? nullptr : out.data_ptr<float>();
+  c10::BFloat16* ob = out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
+  const bool direct = M <= 4;  // decode: stream the fp8 panel once, no tile
+  const int64_t n_mb = direct ? 1 : (M + MB - 1) / MB;
+  const int64_t tasks = n_mb * P;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> tile(direct ? 0 : static_cast<size_t>(K) * NB);
+    float acc[4 * NB];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t mb = t / P, p = t % P;  // panels inner: a thread's panels are adjacent
+      const int64_t cols = std::min<int64_t>(NB, n - p * NB);
+      if (cols <= 0) continue;
+      const uint8_t* wpan = wp + p * K * NB;
+      if (!direct) upcast_panel_f8(wpan, K, tile.data());
+      const int64_t m_end = direct ? M : std::min(M, (mb + 1) * MB);
+      for (int64_t r0 = direct ? 0 : mb * MB; r0 < m_end; r0 += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, m_end - r0));
+        const float* xr = xp + r0 * K;
+        if (direct) {
+          switch (rows) {
+            case 4: micro_f8<4>(xr, K, wpan, K, acc); break;
+            case 3: micro_f8<3>(xr, K, wpan, K, acc); break;
+            case 2: micro_f8<2>(xr, K, wpan, K, acc); break;
+            default: micro_f8<1>(xr, K, wpan, K, acc); break;
+          }
+        } else {
+          switch (rows) {
+            case 4: micro<4>(xr, K, tile.data(), K, acc); break;
+            case 3: micro<3>(xr, K, tile.data(), K, acc); break;
+            case 2: micro<2>(xr, K, tile.data(), K, acc); break;
+            default: micro<1>(xr, K, tile.data(), K, acc); break;
+          }
+        }
+        for (int r = 0; r < rows; ++r) {
+          const int64_t base = (r0 + r) * n + p * NB;
+          for (int64_t j = 0; j < cols; ++j) {
+            float v = acc[r * NB + j] * sc[p * NB + j] + (bf.empty() ? 0.f : bf[p * NB + j]);
+            if (out_bf16) ob[base + j] = c10::BFloat16(v);
+            else of[base + j] = v;
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace fxcq
 
@@ -188,4 +362,7 @@ extern "C" const char* fxc_quant_kernels_isa() {
 #endif
 }
 
-TORCH_LIBRARY_IMPL(fxc, CPU, m) { m.impl("linear_w4", &fxcq::linear_w4); }
+TORCH_LIBRARY_IMPL(fxc, CPU, m) {
+  m.impl("linear_w4", &fxcq::linear_w4);
+  m.impl("linear_f8", &fxcq::linear_f8);
+}

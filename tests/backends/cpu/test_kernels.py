@@ -1,4 +1,4 @@
-"""Property tests of the fxc CPU kernels (backends/cpu) against float64 ATen references.
+"""Property tests of the fxc CPU kernels (backends/cpu, fxc::linear_f8 of backends/cpu/quant too) against float64 ATen references.
 
 Tolerances: the kernels accumulate in fp32 in a different order than the reference, so the
 error bound scales with sum_k |x_k w_k| (``absdot``): |y - ref| <= 1e-4 * absdot (fp32 output).
@@ -293,3 +293,91 @@ def test_amx_row_blocks_and_tails(k, n):
         for g, (q, s) in qg.items():
             y = torch.ops.fxc.linear_w8(x, q, s, b, n, g)
             _check(y, x, fxc.dequantize_linear_weight_int8(q, s, n, g).double(), b)
+
+
+# fxc::linear_f8 (csrc/quant_kernels.cpp): fp8 e4m3 weights upcast in the kernel, scale per output channel.
+def _f8_codes(n: int, k: int, seed: int) -> torch.Tensor:
+    """Every e4m3 bit pattern but NaN (0x7F / 0xFF), uniformly: normals, subnormals, ±0, ±448."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (n, k), generator=g, dtype=torch.uint8)
+    raw[(raw & 0x7F) == 0x7F] = 0x7E
+    return raw.view(torch.float8_e4m3fn)
+
+
+@SETTINGS
+@given(problems(), st.booleans(), st.booleans(), st.booleans())
+def test_linear_f8_matches_upcast_reference(prob, with_bias, xbf16, batched):
+    from fxcompiler.ops.quant_linear import dequantize_linear_weight_fp8, linear_f8, linear_f8_reference, pack_fp8
+
+    import backends.cpu.quant as quant
+
+    m, k, n, seed = prob
+    x = _rand(m, k, seed=seed + 1, dtype=torch.bfloat16 if xbf16 else torch.float32)
+    bias = _rand(n, seed=seed + 2) if with_bias else None
+    s = torch.rand(n, generator=torch.Generator().manual_seed(seed)) * 0.01 + 1e-4
+    q, ps = pack_fp8(_f8_codes(n, k, seed), s)
+    wd = dequantize_linear_weight_fp8(q, ps, n)
+    assert torch.equal(wd, _f8_codes(n, k, seed).float() * s[:, None])  # the upcast is exact
+    if batched and m % 2 == 0:
+        y = linear_f8(x.reshape(2, m // 2, k), q, ps, bias, n).reshape(m, n)
+    else:
+        y = linear_f8(x, q, ps, bias, n)
+    _check(y, x, wd.double(), bias)
+    ref = linear_f8_reference(x, q, ps, bias, n)
+    assert ref.dtype == y.dtype and ref.shape == y.shape
+    if _build.can_build():
+        assert quant.isa() in ("avx512", "avx2")  # the C++ kernel ran, not the reference
+
+
+def test_linear_f8_every_code_and_nan():
+    """Each of the 256 codes upcasts to torch's value (one output per code: x = 1, a single k), NaN to NaN."""
+    from fxcompiler.ops.quant_linear import linear_f8, pack_fp8
+
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).reshape(256, 1)
+    q, s = pack_fp8(codes, torch.ones(256))
+    for m in (1, 7):  # the direct (decode) path and the tile path
+        y = linear_f8(torch.ones(m, 1), q, s, None, 256)
+        torch.testing.assert_close(y, codes.float().T.expand(m, 256), rtol=0, atol=0, equal_nan=True)
+
+
+def test_linear_f8_export_and_errors():
+    from fxcompiler.ops.quant_linear import linear_f8, quantize_linear_weight_fp8
+
+    q, s = quantize_linear_weight_fp8(_rand(20, 24, seed=1))
+
+    class M(torch.nn.Module):
+        def forward(self, x, q, s):
+            return linear_f8(x, q, s, None, 20)
+
+    x = _rand(3, 24, seed=2)
+    ep = torch.export.export(M(), (x, q, s), dynamic_shapes=({0: torch.export.Dim("m", min=1, max=64)}, None, None),
+                             strict=False)
+    assert [n.target for n in ep.graph.nodes if n.op == "call_function"] == [torch.ops.fxc.linear_f8.default]
+    torch.testing.assert_close(ep.module()(_rand(5, 24, seed=3), q, s), linear_f8(_rand(5, 24, seed=3), q, s, None, 20))
+    assert linear_f8(torch.empty(0, 24), q, s, None, 20).shape == (0, 20)
+    with pytest.raises(RuntimeError, match="K mismatch|K=23"):
+        linear_f8(_rand(2, 23, seed=0), q, s, None, 20)
+    with pytest.raises(RuntimeError, match="float8_e4m3fn"):
+        linear_f8(x, q.view(torch.int8), s, None, 20)
+
+
+_F8_PATHS_CODE = """
+    import torch
+    import backends.cpu.quant as quant
+    from fxcompiler.ops.quant_linear import dequantize_linear_weight_fp8, linear_f8, quantize_linear_weight_fp8
+    torch.manual_seed(0)
+    for m, k, n in [(1, 77, 50), (2, 64, 70), (4, 130, 33), (5, 64, 33), (70, 96, 40)]:
+        w, x, b = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
+        q, s = quantize_linear_weight_fp8(w)
+        wd = dequantize_linear_weight_fp8(q, s, n).double()
+        y = linear_f8(x, q, s, b, n)
+        torch.testing.assert_close(y.double(), x.double() @ wd.T + b.double(), rtol=1e-4, atol=1e-4)
+    print("OK", quant.isa())
+"""
+
+
+@pytest.mark.skipif(not _build.can_build() or _build.detect_isa() != "avx512",
+                    reason="needs the AVX-512 machine to also exercise the AVX2 build")
+def test_linear_f8_avx2_build_matches_reference():
+    r = _run_py(_F8_PATHS_CODE, {"FXCOMPILER_CPU_ISA": "avx2"})
+    assert r.returncode == 0 and "OK avx2" in r.stdout, r.stdout + r.stderr
