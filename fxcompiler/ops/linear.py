@@ -257,10 +257,12 @@ def set_cpu_kernel_loader(loader: Callable[[], bool] | None) -> None:
     _cpu_kernel_loader = loader
 
 
-def _composite(op, reference):
+def _composite(op, reference, get_loader=lambda: _cpu_kernel_loader):
+    """The op's composite implementation: the ATen ``reference``, unless the backend's loader (``get_loader()``)
+    registers a CPU kernel, which is then dispatched to once. ``get_loader`` is read per call (installed late)."""
     def impl(*args):
         x = args[0]
-        loader = _cpu_kernel_loader
+        loader = get_loader()
         if loader is not None and x.device.type == "cpu" and not getattr(_reentry, "active", False) and loader():
             # The loader registered a CPU kernel, which takes precedence over this one: re-dispatch once.
             _reentry.active = True

@@ -30,13 +30,12 @@ fp32 rounding is not exact, which is why this op carries the min directly.
 """
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from .linear import NB, _pad_rows, _panels
+from .linear import NB, _composite, _pad_rows, _panels
 
 __all__ = ["FP8", "dequantize_linear_weight_fp8", "dequantize_linear_weight_int4", "linear_f8", "linear_f8_reference",
            "linear_w4", "linear_w4_reference", "pack_fp8", "pack_int4", "quantize_fp8_codes", "quantize_linear_weight_fp8",
@@ -165,7 +164,6 @@ def linear_w4_reference(x, w_int4_packed, scales, mins, bias, n, group_size):
 
 
 _loader: Callable[[], bool] | None = None
-_reentry = threading.local()
 
 
 def set_quant_kernel_loader(loader: Callable[[], bool] | None) -> None:
@@ -176,17 +174,7 @@ def set_quant_kernel_loader(loader: Callable[[], bool] | None) -> None:
 
 
 def _composite_of(op, reference):
-    def impl(*args):
-        x = args[0]
-        if _loader is not None and x.device.type == "cpu" and not getattr(_reentry, "active", False) and _loader():
-            _reentry.active = True
-            try:
-                return op(*args)
-            finally:
-                _reentry.active = False
-        return reference(*args)
-
-    return impl
+    return _composite(op, reference, lambda: _loader)  # fxc::linear's re-dispatch, with this module's loader
 
 
 _lib.impl("linear_w4", _composite_of(torch.ops.fxc.linear_w4.default, linear_w4_reference), "CompositeExplicitAutograd")
