@@ -274,6 +274,18 @@ def set_bf16dot(on: bool) -> bool:
     return _state["bf16dot"]
 
 
+def load_op_library(prefix: str, source, extra_flags=()) -> str:
+    """Build (once per content) and load a source that only registers ``fxc::`` kernels (no Python module)
+    for this CPU's ISA, into its own cache entry ``<prefix>_<isa>_<digest>``; returns the ISA."""
+    isa = detect_isa()
+    if isa == "aten":
+        raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
+    flags = _COMMON_FLAGS + _FLAGS[isa] + list(extra_flags)
+    name = f"{prefix}_{isa}_{source_digest([source], flags)}"
+    load_extension(name, [source], flags, extra_ldflags=["-fopenmp"], is_python_module=False)
+    return isa
+
+
 def load_once(state: dict, lock, load, unavailable: str) -> object | None:
     """``state["module"]``, calling ``load()`` the first time in this process (under ``lock``). A failure
     (compiler missing, build or load error) is kept in ``state["error"]``, warned about once with

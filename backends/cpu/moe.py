@@ -24,14 +24,8 @@ _state: dict = {"tried": False, "module": None, "error": None}
 _lock = threading.Lock()
 
 
-def _load():
-    isa = _build.detect_isa()
-    if isa == "aten":
-        raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
-    flags = _build._COMMON_FLAGS + _build._FLAGS[isa]
-    name = f"fxc_moe_{isa}_{_build.source_digest([_SOURCE], flags)}"
-    _build.load_extension(name, [_SOURCE], flags, extra_ldflags=["-fopenmp"], is_python_module=False)
-    return isa
+def _load() -> str:
+    return _build.load_op_library("fxc_moe", _SOURCE, ())
 
 
 def ensure_loaded() -> bool:
