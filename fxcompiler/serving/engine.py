@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import itertools
 import logging
 import threading
@@ -28,6 +29,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterable, TypedDict
 
 import torch
+
+from runtime import worker_threads
 
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -243,7 +246,7 @@ class AsyncLLMEngine:
         self._aborts: list[str] = []
         self._wake = threading.Event()
         self._closed = False
-        self._thread: threading.Thread | None = None
+        self._job: worker_threads.Job | None = None  # _run on a reused engine worker thread
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}
         self.dead: BaseException | None = None
@@ -262,14 +265,14 @@ class AsyncLLMEngine:
             self._loop = loop
         elif self._loop is not loop:
             raise RuntimeError("an AsyncLLMEngine serves one event loop; it was first used from another")
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, args=(torch.get_num_threads(),),
-                                            name="fxcompiler-async-engine", daemon=True)
-            self._thread.start()
+        if self._job is None:
+            # a reused worker (runtime.worker_threads), not a thread per engine: each new native thread
+            # builds its own OpenMP team, MKL buffers and malloc arena, which outlive the engine
+            self._job = worker_threads.submit(functools.partial(self._run, torch.get_num_threads()))
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive() and self.dead is None
+        return self._job is not None and self._job.is_alive() and self.dead is None
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the engine loop: in-flight streams end with ``EngineDeadError``; then, when the engine built
@@ -277,8 +280,8 @@ class AsyncLLMEngine:
         with self._mu:
             self._closed = True
         self._wake.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        if self._job is not None and self._job.thread is not threading.current_thread():
+            self._job.join(timeout)
         if self.engine.owns_llm:
             self.engine.llm.shutdown()
 

@@ -151,3 +151,46 @@ def test_streams_wait_on_one_process_wide_executor_of_fixed_size():
     for _ in range(100):
         pool.submit(lambda: None).result()
     assert len(pool._threads) == size
+
+
+class _AsyncEngineStub:  # the AsyncLLMEngine's view of an LLMEngine
+    owns_llm = False
+
+    def __init__(self, seen: list):
+        self.engine = _OneStep(seen)
+        self.engine.requests = {}
+        self._lock = threading.Lock()
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def step(self):
+        return self.engine.step()
+
+    def abort_request(self, ids) -> None:
+        pass
+
+
+def test_async_engines_run_on_reused_worker_threads():
+    import asyncio
+
+    from fxcompiler.serving.engine import AsyncLLMEngine
+
+    seen: list[threading.Thread] = []
+
+    async def serve_once() -> None:
+        engine = AsyncLLMEngine(_AsyncEngineStub(seen))
+        engine._ensure_started()
+        engine._wake.set()
+        for _ in range(1000):
+            if len(seen) == n + 1:
+                break
+            await asyncio.sleep(0.01)
+        assert engine.is_running
+        engine.shutdown(10)
+        assert not engine.is_running
+
+    for n in range(3):
+        asyncio.run(serve_once())
+        assert seen[-1].name == worker_threads.IDLE_NAME and seen[-1].is_alive()
+    assert len(seen) == 3 and len(set(seen)) == 1, "each AsyncLLMEngine started its own thread"
