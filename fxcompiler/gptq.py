@@ -8,17 +8,23 @@ column's error ``(w − ŵ) / U[i, i]`` is propagated with ``U[i, i:]`` inside t
 with ``U[block, rest]`` to the rest. The grids are fxcompiler's own (:mod:`fxcompiler.ops.quant_linear`):
 
 * int4 (``fxc::linear_w4``): per group of ``group_size`` columns a scale **and** a min (``ŵ = fl(s·q) + m``,
-  q in [0, 15]), found by RTN's formula on the group's current (already error-updated) weights when the
+  q in [0, 15]), found by the observer on the group's current (already error-updated) weights when the
   first column of the group is reached; symmetric int4 uses RTN's Q4_0 formula (``m = −8·s``);
 * int8 (``fxc::linear_w8``): a symmetric scale per output channel (``amax / 127``) from the unrounded weight.
-* fp8 (``fxc::linear_f8``): a scale per output channel (``amax / 448``) from the unrounded weight; each column
-  rounds to the nearest e4m3 value (ties to even) of ``w / s``.
+* fp8 (``fxc::linear_f8``): a scale per output channel (the observer's, min-max ``amax / 448``) from the
+  unrounded weight; each column rounds to the nearest e4m3 value (ties to even) of ``w / s``.
+
+The observer (:mod:`fxcompiler.weight_observer`) is ``minmax`` (RTN's formulas) by default; ``mse`` searches
+each grid for the least squared rounding error, each column's weighted by ``H[i, i]``. ``refit=True`` then
+replaces each row's scales (and mins) by the least-squares ones for its final codes under the full Hessian
+(:func:`refit_grid`; a row keeps its grid where the solution is not allowed or not better); the codes do not
+change.
 
 ``act_order=True`` rounds columns in order of decreasing ``H[i, i]``; the groups stay the contiguous groups
 of the original column order (scales and mins found up front from the weight, as AutoGPTQ's
 ``static_groups``), so the result keeps fxcompiler's layout (no ``g_idx``). It is off by default.
 
-With a diagonal Hessian nothing is propagated and GPTQ gives RTN's codes exactly.
+With a diagonal Hessian nothing is propagated and GPTQ (default options) gives RTN's codes exactly.
 
 :func:`gptq_quantize_model` runs it over an eager transformers model layer by layer: the inputs of the first
 decoder layer are captured once, then for each layer forward hooks accumulate the Hessians of its linears

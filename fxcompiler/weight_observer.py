@@ -7,14 +7,14 @@ Ensures a grid on fxcompiler's own layouts (:mod:`fxcompiler.ops.quant_linear`):
 * ``minmax`` (the default): RTN's formulas. Asymmetric int4 ``s = (max − min)/15``, ``m = min``; symmetric int4
   ``s = −(value of largest magnitude)/8``, ``m = −8·s``; fp8 ``s = amax/448``.
 * ``mse``: a search for the grid of least (importance-weighted) squared rounding error, as llama.cpp's
-  ``make_qkx2_quants`` does for its K-quants. Asymmetric int4: for each of 41 candidate step sizes around the
-  min-max one (``(15 + t)/(max − min)`` codes per unit, ``t`` in ``[−2, 2]`` by 0.1), the codes rounded from the
-  min, then the least-squares scale and min for those codes, then the codes re-rounded on that grid.
-  Symmetric int4 the same with the scale alone (``m = −8·s``). fp8: 64 candidate scales
-  ``amax/448 · 2^(j/64)``, ``j`` in ``[0, 64)`` (one octave: e4m3 repeats every power of two).
-  The min-max grid is always a candidate, so each group's error is at most min-max's.
-
-The candidates' errors are compared in float64.
+  ``make_qkx2_quants`` does for its K-quants. Asymmetric int4: for each of its 21 candidate step sizes
+  (``(15 + t)/(max − min)`` codes per unit, ``t`` in ``[−1, 1]`` by 0.1) the codes rounded from the min, the
+  least-squares scale and min for those codes, and the error of the codes re-rounded on that grid.
+  Symmetric int4 the same with the scale alone (``m = −8·s``, 21 steps within ±12.5 % of min-max's).
+  fp8: 32 candidate scales ``amax/448 · 2^(j/32)``, ``j`` in ``[0, 32)`` (one octave: e4m3's relative grid
+  repeats every power of two; no value is clamped).
+  The min-max grid is always a candidate and the best is kept, so each group's error is at most min-max's
+  (least-squares sums in float64, errors in float32: up to float32 rounding of the sums).
 """
 from __future__ import annotations
 
@@ -27,6 +27,7 @@ FP8_MAX = 448.0
 
 
 def check_observer(observer: str, what: str = "observer") -> str:
+    """``observer`` if it is one of :data:`OBSERVERS`, else a ValueError naming ``what``."""
     if observer not in OBSERVERS:
         raise ValueError(f"{what} must be one of {', '.join(OBSERVERS)}, got {observer!r}")
     return observer
