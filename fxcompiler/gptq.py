@@ -29,7 +29,10 @@ With a diagonal Hessian nothing is propagated and GPTQ (default options) gives R
 :func:`gptq_quantize_model` runs it over an eager transformers model layer by layer: the inputs of the first
 decoder layer are captured once, then for each layer forward hooks accumulate the Hessians of its linears
 from the layer's inputs, the linears are quantized, and the layer is run again with the quantized weights to
-give the next layer its inputs (so later layers see the quantized earlier ones).
+give the next layer its inputs (so later layers see the quantized earlier ones). With
+``true_sequential=True`` (AutoGPTQ's option) the same holds inside a layer: its linears are quantized in
+stages (q/k/v, o, gate/up, down for a llama), each stage's Hessians taken with the earlier stages already
+quantized (each forward stopped after the stage's last linear).
 """
 from __future__ import annotations
 
@@ -51,18 +54,21 @@ class GPTQConfig:
     lazy-update block), ``act_order`` (columns by decreasing H[i, i]), ``observer`` (how each group's grid is
     chosen, :mod:`fxcompiler.weight_observer`: ``minmax`` or ``mse``, the latter weighing each column's error
     by ``H[i, i]``), ``refit`` (after rounding, the scales and mins of each row that minimise the Hessian
-    error for its codes)."""
+    error for its codes), ``true_sequential`` (inside a decoder layer, each group of linears fed the same
+    tensor takes its Hessians from inputs through the layer's already quantized linears)."""
 
     damp: float = 0.01
     block_size: int = 128
     act_order: bool = False
     observer: str = "minmax"
     refit: bool = False
+    true_sequential: bool = False
 
     def __post_init__(self):
         check_observer(self.observer, "GPTQ observer")
-        if not isinstance(self.refit, bool):
-            raise ValueError(f"GPTQ refit must be a bool, got {self.refit!r}")
+        for name in ("act_order", "refit", "true_sequential"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"GPTQ {name} must be a bool, got {getattr(self, name)!r}")
         if not (isinstance(self.damp, float) and 0 < self.damp < 1):
             raise ValueError(f"GPTQ damp must be a float in (0, 1), got {self.damp!r}")
         if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1:
@@ -334,6 +340,74 @@ def _accumulate(store: dict, name: str, last: dict):
     return hook
 
 
+def _stages(layer: torch.nn.Module, mine: list[str], named: dict, h: torch.Tensor, ex: tuple) -> list[list[str]]:
+    """The layer's linears in the order its forward calls them, those fed the same tensor (q/k/v, gate/up)
+    together: AutoGPTQ's ``true_sequential`` stages."""
+    calls: list[tuple[str, torch.Tensor]] = []
+    hooks = [named[m].register_forward_hook(lambda _mod, i, _o, m=m: calls.append((m, i[0]))) for m in mine]
+    try:
+        with torch.no_grad():
+            layer(h, *ex[0], **ex[1])
+    finally:
+        for hk in hooks:
+            hk.remove()
+    stages: list[list[str]] = []
+    seen: set[str] = set()
+    prev = None
+    for m, x in calls:
+        if m in seen:
+            continue
+        if prev is None or x is not prev:
+            stages.append([])
+        stages[-1].append(m)
+        seen.add(m)
+        prev = x
+    return stages + [[m for m in mine if m not in seen]] if len(seen) < len(mine) else stages
+
+
+def _hessians(layer: torch.nn.Module, stage: list[str], named: dict, hidden: list, extra: list, stop: bool) -> dict:
+    """``{linear: (Σ xᵀx, rows)}`` of the ``stage``'s linears over the calibration inputs of ``layer``; with
+    ``stop`` each forward ends once the stage's last linear has run."""
+    store: dict = {}
+    last: dict = {}
+    hooks = [named[m].register_forward_hook(_accumulate(store, m, last)) for m in stage]
+    if stop:
+        def halt(_mod, _i, _o):
+            raise _Stop
+        hooks.append(named[stage[-1]].register_forward_hook(halt))
+    try:
+        with torch.no_grad():
+            for h, (args, kw) in zip(hidden, extra):
+                try:
+                    layer(h, *args, **kw)
+                except _Stop:
+                    pass
+    finally:
+        for hk in hooks:
+            hk.remove()
+        last.clear()
+    return store
+
+
+def _quantize_linear(lin: torch.nn.Module, m: str, H: torch.Tensor, scheme: ModuleScheme, config: GPTQConfig,
+                     result: GPTQResult, keep_hessians: bool) -> None:
+    """GPTQ of one linear into ``result``; its weight becomes the quantized values."""
+    w = lin.weight.detach().to(torch.float32)
+    t = gptq_quantize_weight(w, H, scheme, config)
+    rtn = rtn_quantize_weight(w, scheme)
+    result.stats[m] = {"gptq": hessian_error(w, t, scheme, H), "rtn": hessian_error(w, rtn, scheme, H)}
+    if keep_hessians:
+        result.hessians[m] = H
+        result.stats[m]["weight"] = w.clone()  # the weight GPTQ saw (for tests)
+    for suffix, v in t.items():
+        result.tensors[f"{m}.{suffix}"] = v
+    per_channel = scheme.weight in ("int8", "fp8")
+    group = -1 if per_channel else scheme.group_size
+    mins = t.get("weight_min", None if per_channel else -8.0 * t["weight_scale"])
+    with torch.no_grad():
+        lin.weight.copy_(dequantize_codes(t["qweight"], t["weight_scale"], mins, group).to(lin.weight.dtype))
+
+
 def gptq_quantize_model(model: torch.nn.Module, samples: list[torch.Tensor], modules: list[str],
                         scheme: ModuleScheme, config: GPTQConfig = GPTQConfig(), *, progress: bool = True,
                         keep_hessians: bool = False) -> GPTQResult:
@@ -367,38 +441,15 @@ def gptq_quantize_model(model: torch.nn.Module, samples: list[torch.Tensor], mod
     for li, layer in enumerate(layers):
         lname = f"{prefix}.{li}"
         mine = [m for m in modules if m.startswith(lname + ".")]
-        store: dict = {}
-        last: dict = {}
-        hooks = [named[m].register_forward_hook(_accumulate(store, m, last)) for m in mine]
-        try:
-            with torch.no_grad():
-                for h, (args, kw) in zip(hidden, extra):
-                    layer(h, *args, **kw)
-        finally:
-            for hk in hooks:
-                hk.remove()
-            last.clear()
-        for m in mine:
-            lin = named[m]
-            if m not in store:
-                raise RuntimeError(f"GPTQ: linear {m!r} was not called by its decoder layer")
-            xtx, count = store.pop(m)
-            H = (2.0 / count) * xtx
-            w = lin.weight.detach().to(torch.float32)
-            t = gptq_quantize_weight(w, H, scheme, config)
-            rtn = rtn_quantize_weight(w, scheme)
-            result.stats[m] = {"gptq": hessian_error(w, t, scheme, H), "rtn": hessian_error(w, rtn, scheme, H)}
-            if keep_hessians:
-                result.hessians[m] = H
-                result.stats[m]["weight"] = w.clone()  # the weight GPTQ saw (for tests)
-            for suffix, v in t.items():
-                result.tensors[f"{m}.{suffix}"] = v
-            per_channel = scheme.weight in ("int8", "fp8")
-            group = -1 if per_channel else scheme.group_size
-            mins = t.get("weight_min", None if per_channel else -8.0 * t["weight_scale"])
-            with torch.no_grad():
-                lin.weight.copy_(dequantize_codes(t["qweight"], t["weight_scale"], mins, group).to(lin.weight.dtype))
-            bar.update(1)
+        stages = _stages(layer, mine, named, hidden[0], extra[0]) if config.true_sequential else [mine]
+        for si, stage in enumerate(stages):
+            store = _hessians(layer, stage, named, hidden, extra, stop=si < len(stages) - 1)
+            for m in stage:
+                if m not in store:
+                    raise RuntimeError(f"GPTQ: linear {m!r} was not called by its decoder layer")
+                xtx, count = store.pop(m)
+                _quantize_linear(named[m], m, (2.0 / count) * xtx, scheme, config, result, keep_hessians)
+                bar.update(1)
         with torch.no_grad():  # the next layer's inputs, through this layer's quantized weights
             outs = []
             for h, (args, kw) in zip(hidden, extra):

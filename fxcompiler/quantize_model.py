@@ -165,7 +165,8 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
         ratios = [v["gptq"] / v["rtn"] for v in result.stats.values() if v["rtn"] > 0]
         algo_record = {"damp": gptq.damp, "block_size": gptq.block_size, "act_order": gptq.act_order,
                        "observer": gptq.observer, "refit": gptq.refit,
-                       "sequential": "decoder layer by decoder layer",
+                       "sequential": "decoder layer by decoder layer" + (", then linears fed the same input"
+                                                                         if gptq.true_sequential else ""),
                        "hessian_error_vs_rtn_mean": sum(ratios) / len(ratios) if ratios else None}
     else:
         bar = _progress(modules, progress)

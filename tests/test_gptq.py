@@ -260,3 +260,36 @@ def test_quantize_rtn_with_the_mse_observer(tiny_models, tmp_path):
     assert not torch.equal(t["weight_scale"], ref["weight_scale"])
     assert float(_group_errors(w[f"{mod}.weight"], t, scheme).sum()) < float(
         _group_errors(w[f"{mod}.weight"], ref, scheme).sum())
+
+
+def test_gptq_true_sequential_stages_a_tiny_llama(tiny_llama_model):
+    import copy
+
+    from fxcompiler.calibration import calibration_samples, calibration_text
+    from fxcompiler.gptq import _stages
+    from fxcompiler.quantize_model import _linear_modules
+
+    _, model = tiny_llama_model
+    modules = _linear_modules(model.config)
+    samples, _ = calibration_samples(calibration_text(), None, model.config.vocab_size, 2, 16, seed=1)
+    scheme = ModuleScheme("int4", 32, False)
+    plain = gptq_quantize_model(copy.deepcopy(model), samples, modules, scheme, progress=False, keep_hessians=True)
+    m = copy.deepcopy(model)
+    res = gptq_quantize_model(m, samples, modules, scheme, GPTQConfig(true_sequential=True, observer="mse",
+                                                                      refit=True),
+                              progress=False, keep_hessians=True)
+    att, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    layer0 = [x for x in modules if x.startswith("model.layers.0.")]
+    named = dict(m.named_modules())
+    emb = m.get_input_embeddings()(samples[0])
+    pos = torch.arange(samples[0].shape[1])[None]
+    kw = {"position_embeddings": m.model.rotary_emb(emb, pos), "position_ids": pos}
+    assert _stages(m.model.layers[0], layer0, named, emb, ((), kw)) == [
+        [f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj"], [f"{att}.o_proj"], [f"{mlp}.gate_proj", f"{mlp}.up_proj"],
+        [f"{mlp}.down_proj"]]
+    # the first stage sees the float layer; o_proj's inputs come through the quantized q/k/v
+    assert torch.equal(res.hessians[f"{att}.q_proj"], plain.hessians[f"{att}.q_proj"])
+    assert not torch.allclose(res.hessians[f"{att}.o_proj"], plain.hessians[f"{att}.o_proj"])
+    assert sorted(res.hessians) == sorted(modules)
+    for mod in modules:
+        assert res.stats[mod]["gptq"] <= res.stats[mod]["rtn"], mod
