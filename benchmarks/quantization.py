@@ -13,6 +13,7 @@ Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, m
         [--model ID_OR_DIR] [--rounds 0]     # qformat-w8a16 / qformat-w4a16-g128: via `fxcompiler quantize`
         # qformat-w4a16-g128-gptq / qformat-w8a16-gptq: `fxcompiler quantize --algorithm gptq`, calibrated on
         # --calib-samples windows of --calib-seq-len tokens of the calibration half
+        # [--w-observer minmax|mse] [--gptq-refit] [--gptq-true-sequential]: fxcompiler quantize's options
 """
 from __future__ import annotations
 
@@ -106,6 +107,10 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--calib-samples", type=int, default=64, help="GPTQ calibration windows (qformat-*-gptq)")
     ap.add_argument("--calib-seq-len", type=int, default=256, help="GPTQ calibration window length in tokens")
+    ap.add_argument("--w-observer", default="minmax", choices=("minmax", "mse"),
+                    help="weight observer of the qformat-* schemes (fxcompiler quantize --w-observer)")
+    ap.add_argument("--gptq-refit", action="store_true", help="qformat-*-gptq: fxcompiler quantize --gptq-refit")
+    ap.add_argument("--gptq-true-sequential", action="store_true", help="qformat-*-gptq: --gptq-true-sequential")
     ap.add_argument("--dry-run", action="store_true", help="check the arguments and exit (builds nothing)")
     args = ap.parse_args()
     from fxcompiler import LLM, ManualBucketConfig
@@ -124,12 +129,16 @@ def main() -> None:
         t0 = time.perf_counter()
         model, kw = args.model, {}
         if s.startswith("qformat-"):  # quantize into a directory first, then load it as a model
+            from fxcompiler.gptq import GPTQConfig
             from fxcompiler.quantize_model import quantize_model
 
             scheme = s.removeprefix("qformat-").removesuffix("-gptq")
             model = str(quantize_model(args.model, os.path.join(tmp.name, s), scheme,
                                        algorithm="gptq" if s.endswith("-gptq") else "rtn",
-                                       num_samples=args.calib_samples, seq_len=args.calib_seq_len, progress=False))
+                                       num_samples=args.calib_samples, seq_len=args.calib_seq_len, progress=False,
+                                       gptq=GPTQConfig(observer=args.w_observer, refit=args.gptq_refit,
+                                                       true_sequential=args.gptq_true_sequential),
+                                       observer=args.w_observer))
         else:
             kw = llm_kwargs(s)
         engines[s] = LLM(model, max_seq_len_to_capture=args.window + 64,

@@ -345,10 +345,11 @@ def cmd_quantize(args) -> int:
     from .llm import CACHE_DIR
     from .quantize_model import quantize_model
 
-    gptq = GPTQConfig(args.gptq_damp, args.gptq_block_size, args.gptq_act_order)
+    gptq = GPTQConfig(args.gptq_damp, args.gptq_block_size, args.gptq_act_order, args.w_observer, args.gptq_refit,
+                      args.gptq_true_sequential)
     out = quantize_model(args.model_pos, args.output, args.scheme, algorithm=args.algorithm,
                          calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
-                         seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR, gptq=gptq)
+                         seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR, gptq=gptq, observer=args.w_observer)
     print(f"quantized model: {out} (scheme {args.scheme}, {args.algorithm}); load it with LLM({str(out)!r})")
     return 0
 
@@ -412,6 +413,14 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ damping, a fraction of mean(diag H)")
     qz.add_argument("--gptq-block-size", type=int, default=128, help="GPTQ lazy-update block (columns)")
     qz.add_argument("--gptq-act-order", action="store_true", help="GPTQ columns by decreasing H[i, i] (static groups)")
+    qz.add_argument("--gptq-refit", action="store_true",
+                    help="GPTQ: after rounding, the least-squares scales/mins of each row for its codes")
+    qz.add_argument("--gptq-true-sequential", action="store_true",
+                    help="GPTQ: inside each decoder layer, quantize q/k/v, o, gate/up, down in turn, each on inputs "
+                         "through the already quantized ones")
+    qz.add_argument("--w-observer", default="minmax", choices=("minmax", "mse"),
+                    help="how each weight group's (fp8: channel's) grid is chosen, RTN and GPTQ: minmax (RTN's "
+                         "formula) | mse (search for the least squared rounding error; int8 stays amax/127)")
     qz.add_argument("--calib-data", default=None, metavar="FILE",
                     help="calibration text (default: the calibration half of CPython's pydoc_data.topics)")
     qz.add_argument("--num-samples", type=int, default=128)

@@ -83,10 +83,15 @@ def _load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _rtn(w: torch.Tensor, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
-    """RTN codes and scales of one ``[N, K]`` weight (the quantize pass's own rounding)."""
+def _rtn(w: torch.Tensor, scheme: ModuleScheme, observer: str = "minmax") -> dict[str, torch.Tensor]:
+    """RTN codes and scales of one ``[N, K]`` weight (the quantize pass's own rounding; another observer than
+    ``minmax``: :func:`fxcompiler.gptq.rtn_quantize_weight`'s grids)."""
     from .ops.quant_linear import quantize_linear_weight_int4, unpack_int4
 
+    if observer != "minmax":
+        from .gptq import rtn_quantize_weight
+
+        return rtn_quantize_weight(w, scheme, observer)
     w = w.detach().to(torch.float32)
     n, k = w.shape
     if scheme.weight == "fp8":
@@ -109,9 +114,10 @@ def _rtn(w: torch.Tensor, scheme: ModuleScheme) -> dict[str, torch.Tensor]:
 def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm: str = "rtn",
                    calib_data: str | os.PathLike | None = None, num_samples: int = 128, seq_len: int = 512,
                    seed: int = 0, cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                   gptq: "GPTQConfig | None" = None) -> Path:
+                   gptq: "GPTQConfig | None" = None, observer: str = "minmax") -> Path:
     """Quantize ``model`` (id, HF directory or .gguf) into the directory ``out``; returns it
-    (``gptq``: GPTQ's damping / block size / act order, defaults 0.01 / 128 / off)."""
+    (``gptq``: GPTQ's damping / block size / act order / observer / refit, defaults 0.01 / 128 / off / minmax /
+    off; ``observer``: the weight observer of RTN, :mod:`fxcompiler.weight_observer`)."""
     from .calibration import calibration_text, text_digest
     from .models.loader import load_config, model_directory
     from .models.sources import resolve_model_source
@@ -124,7 +130,10 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
         raise ValueError(f"--algorithm must be rtn or gptq (smoothquant: not built yet), got {algorithm!r}")
     from .gptq import GPTQConfig
 
-    gptq = gptq if gptq is not None else GPTQConfig()
+    from .weight_observer import check_observer
+
+    check_observer(observer, "--w-observer")
+    gptq = gptq if gptq is not None else GPTQConfig(observer=observer)
     for name, v in (("num_samples", num_samples), ("seq_len", seq_len)):
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {v!r}")
@@ -155,30 +164,40 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
         calib["tokenized"] = how
         ratios = [v["gptq"] / v["rtn"] for v in result.stats.values() if v["rtn"] > 0]
         algo_record = {"damp": gptq.damp, "block_size": gptq.block_size, "act_order": gptq.act_order,
-                       "sequential": "decoder layer by decoder layer",
+                       "observer": gptq.observer, "refit": gptq.refit,
+                       "sequential": "decoder layer by decoder layer" + (", then linears fed the same input"
+                                                                         if gptq.true_sequential else ""),
                        "hessian_error_vs_rtn_mean": sum(ratios) / len(ratios) if ratios else None}
     else:
         bar = _progress(modules, progress)
         for m in bar:
-            for suffix, t in _rtn(weights[f"{m}.weight"], module_scheme).items():
+            for suffix, t in _rtn(weights[f"{m}.weight"], module_scheme, observer).items():
                 tensors[f"{m}.{suffix}"] = t
         calib["note"] = "RTN reads no calibration data; the hash records what a calibrating algorithm would read"
-        algo_record = None
+        algo_record = {"observer": observer}
     out.mkdir(parents=True, exist_ok=True)
     for f in model_dir.iterdir():
         if f.is_file() and f.name not in (QFORMAT_FILE, QPARAM_FILE, RECIPE_FILE):
             shutil.copy2(f, out / f.name)
     write_qformat(out / QFORMAT_FILE, config_q, module_scheme, {},
-                  {"weight_calib_method": "AMAX_SYM" if module_scheme.weight in ("int8", "fp8") else "MINMAX_ASYM",
+                  {"weight_calib_method": _calib_method(module_scheme, gptq.observer if algorithm == "gptq" else observer),
                    "algorithm": algorithm, **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
     save_qparam(out / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm,
                                              **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
     recipe = {"scheme": scheme, "config": str(config_q), "algorithm": algorithm, "seed": seed,
               "module_scheme": module_scheme.to_dict(), "modules": len(modules), "source_model": source.model_id,
-              "calibration": calib, **({"gptq": algo_record} if algo_record is not None else {}),
+              "calibration": calib, ("gptq" if algorithm == "gptq" else "rtn"): algo_record,
               "qformat_sha256": qparam_digest(out / QFORMAT_FILE), "qparam_sha256": qparam_digest(out / QPARAM_FILE)}
     (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     return out
+
+
+def _calib_method(scheme: ModuleScheme, observer: str) -> str:
+    """The qformat line's ``weight_calib_method``: AMAX_SYM / MINMAX_ASYM, MSE_SYM / MSE_ASYM with ``--w-observer mse``
+    (int8 is amax/127 whatever the observer)."""
+    if scheme.weight == "int8" or observer == "minmax":
+        return "AMAX_SYM" if scheme.weight in ("int8", "fp8") else "MINMAX_ASYM"
+    return "MSE_SYM" if scheme.weight == "fp8" or scheme.symmetric else "MSE_ASYM"
 
 
 def _gptq(model_dir: Path, config, text: str, modules: list[str], scheme: ModuleScheme, gptq, num_samples: int,

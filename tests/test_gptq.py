@@ -145,3 +145,151 @@ def test_quantize_cli_gptq_round_trip(tiny_models, tmp_path, capsys):
                         prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]
     llm.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------
+# the mse weight observer and GPTQ's refit
+# ------------------------------------------------------------------------------------------------
+def _group_errors(w: torch.Tensor, t: dict, scheme: ModuleScheme, imp: torch.Tensor | None = None) -> torch.Tensor:
+    """Squared error per row and group (per row for int8/fp8), float64, of the qparam tensors ``t``."""
+    d2 = (w.double() - _dequant(t, scheme, w.shape[1])) ** 2
+    if imp is not None:
+        d2 = d2 * imp.double()
+    if scheme.weight in ("int8", "fp8"):
+        return d2.sum(dim=1, keepdim=True)
+    g = scheme.group_size
+    return torch.stack([d2[:, j:j + g].sum(dim=1) for j in range(0, w.shape[1], g)], 1)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 4), st.sampled_from(range(len(SCHEMES))), st.booleans(),
+       st.integers(0, 2**31 - 1))
+def test_mse_observer_error_is_at_most_minmax_per_group(n, k32, which, weighted, seed):
+    from fxcompiler.gptq import rtn_quantize_weight
+    from fxcompiler.weight_observer import fp8_scale, int4_codes, int4_grid
+
+    scheme = SCHEMES[which]
+    k = 32 * k32 + (16 if k32 > 1 else 0)  # K = 80, 112, 144: a shorter last group for g32 and g64
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.rand(n, 1, generator=gen) * 3
+    w[:, 0] += 4 * torch.rand(n, generator=gen)  # an outlier per row: clipping it can pay
+    if scheme.weight == "int8":  # int8 keeps amax/127 whatever the observer
+        assert all(torch.equal(rtn_quantize_weight(w, scheme, "mse")[key], _rtn(w, scheme)[key])
+                   for key in ("qweight", "weight_scale"))
+        return
+    imp = torch.rand(k, generator=gen) if weighted else None
+    if imp is None:  # RTN through the observer (what `fxcompiler quantize --w-observer mse` writes)
+        mse, ref = rtn_quantize_weight(w, scheme, "mse"), _rtn(w, scheme)
+    else:  # the importance-weighted search GPTQ runs (one group at a time)
+        ref = _rtn(w, scheme)
+        if scheme.weight == "fp8":
+            s = fp8_scale(w, "mse", imp)
+            mse = {"weight_scale": s, "qweight": torch.clamp(w / s, -448, 448).to(torch.float8_e4m3fn)}
+        else:
+            g = scheme.group_size
+            grids = [int4_grid(w[:, j:j + g], scheme.symmetric, "mse", imp[j:j + g]) for j in range(0, k, g)]
+            s, m = torch.stack([a for a, _ in grids], 1), torch.stack([b for _, b in grids], 1)
+            idx = torch.arange(k) // g
+            mse = {"weight_scale": s, "qweight": int4_codes(w, s[:, idx], m[:, idx], scheme.symmetric).to(torch.uint8)}
+            if not scheme.symmetric:
+                mse["weight_min"] = m
+    got, base = _group_errors(w, mse, scheme, imp), _group_errors(w, ref, scheme, imp)
+    assert bool((got <= base * (1 + 1e-5) + 1e-9).all()), (got, base)
+    if scheme.weight == "int4" and not scheme.symmetric:  # the layout's rule: s >= 0
+        assert bool((mse["weight_scale"] >= 0).all())
+    if scheme.weight == "fp8":
+        assert bool((mse["weight_scale"] > 0).all())
+
+
+def test_mse_observer_lowers_the_error_of_heavy_tailed_groups():
+    from fxcompiler.gptq import rtn_quantize_weight
+
+    gen = torch.Generator().manual_seed(0)
+    w = torch.distributions.StudentT(3.0).sample((64, 256))
+    for scheme in (ModuleScheme("int4", 128, False), ModuleScheme("int4", 32, True), ModuleScheme("fp8", -1, True)):
+        got = _group_errors(w, rtn_quantize_weight(w, scheme, "mse"), scheme).sum()
+        base = _group_errors(w, _rtn(w, scheme), scheme).sum()
+        assert got < 0.95 * base, (scheme, float(got / base))
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(1, 6), st.sampled_from(range(len(SCHEMES))), st.sampled_from(["minmax", "mse"]),
+       st.integers(0, 2**31 - 1))
+def test_gptq_refit_never_raises_the_hessian_error(n, which, observer, seed):
+    from fxcompiler.gptq import hessian_error
+
+    scheme = SCHEMES[which]
+    k = 96
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(256, k, generator=gen) @ (torch.eye(k) + 0.3 * torch.randn(k, k, generator=gen))
+    h = 2.0 / 256 * (x.T @ x)
+    plain = gptq_quantize_weight(w, h, scheme, GPTQConfig(observer=observer))
+    refit = gptq_quantize_weight(w, h, scheme, GPTQConfig(observer=observer, refit=True))
+    assert torch.equal(plain["qweight"].view(torch.uint8), refit["qweight"].view(torch.uint8))  # same codes
+    assert hessian_error(w, refit, scheme, h) <= hessian_error(w, plain, scheme, h) * (1 + 1e-9) + 1e-12
+    if scheme.weight in ("int8", "fp8"):
+        assert bool((refit["weight_scale"] > 0).all())
+    elif not scheme.symmetric:
+        assert bool((refit["weight_scale"] >= 0).all())
+
+
+def test_gptq_config_rejects_an_unknown_observer():
+    with pytest.raises(ValueError, match="GPTQ observer must be one of minmax, mse"):
+        GPTQConfig(observer="percentile")
+    with pytest.raises(ValueError, match="refit must be a bool"):
+        GPTQConfig(refit=1)
+
+
+def test_quantize_rtn_with_the_mse_observer(tiny_models, tmp_path):
+    from safetensors.torch import load_file
+
+    from fxcompiler.quantize_model import quantize_model
+
+    scheme = ModuleScheme("int4", 32, False)
+    with pytest.raises(ValueError, match="--w-observer must be one of minmax, mse"):
+        quantize_model(str(tiny_models["llama"]), tmp_path / "bad", "w4a16-g32", observer="max")
+    out = quantize_model(str(tiny_models["llama"]), tmp_path / "mse", "w4a16-g32", observer="mse", progress=False)
+    recipe = json.loads((out / "quantization_recipe.json").read_text())
+    assert recipe["rtn"] == {"observer": "mse"}
+    assert "--weight_calib_method MSE_ASYM" in (out / "qformat.yaml").read_text().splitlines()[0]
+    qp, w = load_file(str(out / "qparam.safetensors")), load_file(str(out / "model.safetensors"))
+    mod = "model.layers.1.mlp.down_proj"
+    t = {key: qp[f"{mod}.{key}"] for key in ("qweight", "weight_scale", "weight_min")}
+    ref = _rtn(w[f"{mod}.weight"], scheme)
+    assert not torch.equal(t["weight_scale"], ref["weight_scale"])
+    assert float(_group_errors(w[f"{mod}.weight"], t, scheme).sum()) < float(
+        _group_errors(w[f"{mod}.weight"], ref, scheme).sum())
+
+
+def test_gptq_true_sequential_stages_a_tiny_llama(tiny_llama_model):
+    import copy
+
+    from fxcompiler.calibration import calibration_samples, calibration_text
+    from fxcompiler.gptq import _stages
+    from fxcompiler.quantize_model import _linear_modules
+
+    _, model = tiny_llama_model
+    modules = _linear_modules(model.config)
+    samples, _ = calibration_samples(calibration_text(), None, model.config.vocab_size, 2, 16, seed=1)
+    scheme = ModuleScheme("int4", 32, False)
+    plain = gptq_quantize_model(copy.deepcopy(model), samples, modules, scheme, progress=False, keep_hessians=True)
+    m = copy.deepcopy(model)
+    res = gptq_quantize_model(m, samples, modules, scheme, GPTQConfig(true_sequential=True, observer="mse",
+                                                                      refit=True),
+                              progress=False, keep_hessians=True)
+    att, mlp = "model.layers.0.self_attn", "model.layers.0.mlp"
+    layer0 = [x for x in modules if x.startswith("model.layers.0.")]
+    named = dict(m.named_modules())
+    emb = m.get_input_embeddings()(samples[0])
+    pos = torch.arange(samples[0].shape[1])[None]
+    kw = {"position_embeddings": m.model.rotary_emb(emb, pos), "position_ids": pos}
+    assert _stages(m.model.layers[0], layer0, named, emb, ((), kw)) == [
+        [f"{att}.q_proj", f"{att}.k_proj", f"{att}.v_proj"], [f"{att}.o_proj"], [f"{mlp}.gate_proj", f"{mlp}.up_proj"],
+        [f"{mlp}.down_proj"]]
+    # the first stage sees the float layer; o_proj's inputs come through the quantized q/k/v
+    assert torch.equal(res.hessians[f"{att}.q_proj"], plain.hessians[f"{att}.q_proj"])
+    assert not torch.allclose(res.hessians[f"{att}.o_proj"], plain.hessians[f"{att}.o_proj"])
+    assert sorted(res.hessians) == sorted(modules)
+    for mod in modules:
+        assert res.stats[mod]["gptq"] <= res.stats[mod]["rtn"], mod
