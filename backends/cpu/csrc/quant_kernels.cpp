@@ -8,7 +8,9 @@
 //   w_int4_packed uint8 [P, K/2, 32]: byte[p, i, j] = q[32p+j, 2i] | q[32p+j, 2i+1] << 4
 //   scales, mins  float [P, G, 32]   : w = fl(fl(s * q) + m)
 //
-// Each (row block, panel) task dequantises its panel into an fp32 [K, 32] tile (bit-exactly the
+// M <= 4 (decode): each panel is streamed once and dequantised in registers, per group
+// s * sum(q * x) + m * sum(x) (direct_w4; the rows' group sums are computed once per call).
+// M > 4: each (row block, panel) task dequantises its panel into an fp32 [K, 32] tile (bit-exactly the
 // reference's values: built with -ffp-contract=off, multiply then add) and multiplies the rows
 // of x with it from L1/L2 with a register-blocked micro-kernel (4 rows x 32 columns). The weight is
 // streamed once per row block at 0.5 byte per value, which is what makes batch-1 decode faster
