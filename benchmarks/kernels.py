@@ -20,6 +20,9 @@ Candidates:
         (mkldnn._linear_pointwise); the torch candidates take bf16 x
   int8: fxc.linear_w8 (per channel, and group 64), fxc.linear_f8 (fp8 e4m3 weights, also 1 byte/weight),
         aten._weight_int8pack_mm (per channel)
+  int4: fxc.linear_w4 group 32 (GGUF Q4_1's blocks: scale and min per 32 weights), fxc.linear_w8 group 32
+        (GGUF Q8_0's blocks, SmolLM2's output matrix); GB/s counts Q4_1's 20 bytes per 32 weights
+        (0.625 byte/weight) for both, so the two are comparable with llama.cpp's Q4_1
 """
 
 from __future__ import annotations
@@ -128,6 +131,21 @@ def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
                 return (lambda p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""), [(p,) for p in pk])
             yield "oneDNN packed", onednn
         del ws
+    elif dtype_name == "int4":
+        import backends.cpu.quant  # noqa: F401  (fxc::linear_w4's kernel, quant_kernels.cpp)
+        from fxcompiler.ops.quant_linear import quantize_linear_weight_int4
+
+        q4, s4, m4 = quantize_linear_weight_int4(w, 32)
+        c = copies_for(q4.numel() + 2 * s4.numel() * 4, pool_mb)
+        q4s = [(q4.clone(), s4.clone(), m4.clone()) for _ in range(c)]
+        yield "fxc.linear_w4 g32", lambda x, q4s=q4s: (
+            lambda qq, ss, mm: torch.ops.fxc.linear_w4(x, qq, ss, mm, None, n, 32), q4s)
+        del q4s
+        q, s = fxc.quantize_linear_weight_int8(w, 32)
+        qs = [(q.clone(), s.clone()) for _ in range(copies_for(n * k * 9 // 8, pool_mb))]
+        yield "fxc.linear_w8 g32", lambda x, qs=qs: (
+            lambda qq, ss: torch.ops.fxc.linear_w8(x, qq, ss, None, n, 32), qs)
+        del qs
     else:
         c = copies_for(n * k, pool_mb)
         for gs in (-1, 64):
@@ -186,7 +204,7 @@ def main(argv=None) -> int:
     print(f"{'dtype':5} {'K':>5} {'N':>6} {'M':>3}  {'candidate':26} {'us':>9} {'GB/s':>7} {'best':>6} "
           f"{'GFLOP/s':>8}  vs best torch (median)")
     for dtype_name in args.dtypes.split(","):
-        es = {"fp32": 4, "bf16": 2, "int8": 1}[dtype_name]
+        es = {"fp32": 4, "bf16": 2, "int8": 1, "int4": 0.625}[dtype_name]
         for k, n in shapes:
             rows = {m: [] for m in m_list}
             wanted = args.candidates.split(",") if args.candidates else None

@@ -8,7 +8,9 @@
 //   w_int4_packed uint8 [P, K/2, 32]: byte[p, i, j] = q[32p+j, 2i] | q[32p+j, 2i+1] << 4
 //   scales, mins  float [P, G, 32]   : w = fl(fl(s * q) + m)
 //
-// Each (row block, panel) task dequantises its panel into an fp32 [K, 32] tile (bit-exactly the
+// M <= 4 (decode): each panel is streamed once and dequantised in registers, per group
+// s * sum(q * x) + m * sum(x) (direct_w4; the rows' group sums are computed once per call).
+// M > 4: each (row block, panel) task dequantises its panel into an fp32 [K, 32] tile (bit-exactly the
 // reference's values: built with -ffp-contract=off, multiply then add) and multiplies the rows
 // of x with it from L1/L2 with a register-blocked micro-kernel (4 rows x 32 columns). The weight is
 // streamed once per row block at 0.5 byte per value, which is what makes batch-1 decode faster
@@ -112,6 +114,102 @@ inline void micro(const float* x, int64_t ldx, const float* tile, int64_t K, flo
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------
+// linear_w4, M <= 4 (decode): the packed panel is streamed once, 0.5 byte per weight plus the group's
+// scales and mins, and dequantised in registers. Each weight is fl(fl(s*q) + m), bit-exactly the value
+// of the tile path and of the reference (mul then add, no fusion), and is multiplied into R x 32
+// accumulators; only the order of the fp32 sum differs. Even and odd k (low and high nibble) go to
+// separate accumulators for R <= 2, so that the FMA chains are half as long.
+// ---------------------------------------------------------------------------------------------------
+#if defined(FXC_AVX512)
+struct V4 {
+  using reg = __m512;
+  using ireg = __m512i;
+  static constexpr int L = 16;
+  static inline ireg bytes(const uint8_t* p) {  // L bytes -> L dwords
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline reg lo(ireg v) { return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F))); }
+  static inline reg hi(ireg v) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)); }
+  static inline reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  static inline reg zero() { return _mm512_setzero_ps(); }
+  static inline reg set1(float f) { return _mm512_set1_ps(f); }
+  static inline reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static inline reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static inline reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#else
+struct V4 {
+  using reg = __m256;
+  using ireg = __m256i;
+  static constexpr int L = 8;
+  static inline ireg bytes(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static inline reg lo(ireg v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F))); }
+  static inline reg hi(ireg v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+  static inline reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  static inline reg zero() { return _mm256_setzero_ps(); }
+  static inline reg set1(float f) { return _mm256_set1_ps(f); }
+  static inline reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static inline reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static inline reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#endif
+
+constexpr int kW4PrefetchBytes = 2048;  // weight stream prefetch distance
+
+// acc[r][0..32) = sum_g (s[g] * sum_{k in g} x[r][k] q[k][.] + m[g] * xsum[r][g]) straight from the packed
+// panel (R rows of x, ldx apart; xsum [R, G] are the rows' group sums).
+template <int R>
+inline void direct_w4(const float* x, int64_t ldx, const float* xsum, int64_t G, const uint8_t* w, const float* sc,
+                      const float* mn, int64_t K, int64_t gs, float* acc) {
+  using V = V4;
+  using reg = typename V::reg;
+  constexpr int NV = NB / V::L;
+  constexpr int PAR = R <= 2 ? 2 : 1;  // accumulator sets (even / odd k)
+  reg fin[R][NV];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) fin[r][v] = V::zero();
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * gs, k1 = std::min(K, k0 + gs);
+    reg a[PAR][R][NV];
+    for (int u = 0; u < PAR; ++u)
+      for (int r = 0; r < R; ++r)
+        for (int v = 0; v < NV; ++v) a[u][r][v] = V::zero();
+    for (int64_t k = k0; k < k1; k += 2) {
+      const uint8_t* b = w + (k / 2) * NB;
+      if ((k & 2) == 0) _mm_prefetch(reinterpret_cast<const char*>(b) + kW4PrefetchBytes, _MM_HINT_T0);
+      reg q0[NV], q1[NV];
+      for (int v = 0; v < NV; ++v) {
+        const typename V::ireg q = V::bytes(b + v * V::L);
+        q0[v] = V::lo(q);
+        q1[v] = V::hi(q);
+      }
+      for (int r = 0; r < R; ++r) {
+        const reg x0 = V::set1(x[r * ldx + k]), x1 = V::set1(x[r * ldx + k + 1]);
+        for (int v = 0; v < NV; ++v) {
+          a[0][r][v] = V::fmadd(x0, q0[v], a[0][r][v]);
+          a[PAR - 1][r][v] = V::fmadd(x1, q1[v], a[PAR - 1][r][v]);
+        }
+      }
+    }
+    for (int v = 0; v < NV; ++v) {
+      const reg sv = V::load(sc + g * NB + v * V::L), mv = V::load(mn + g * NB + v * V::L);
+      for (int r = 0; r < R; ++r) {
+        reg t = a[0][r][v];
+        if constexpr (PAR == 2) t = V::add(t, a[1][r][v]);
+        fin[r][v] = V::fmadd(sv, t, fin[r][v]);
+        fin[r][v] = V::fmadd(mv, V::set1(xsum[r * G + g]), fin[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < NV; ++v) V::store(acc + r * NB + v * V::L, fin[r][v]);
+}
+
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
                      const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fxc::linear_w4: CPU tensors expected");
@@ -151,25 +249,45 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const bool out_bf16 = x.scalar_type() == at::kBFloat16;
   float* of = out_bf16 ? nullptr : out.data_ptr<float>();
   c10::BFloat16* ob = out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
-  const int64_t n_mb = (M + MB - 1) / MB;
+  const bool direct = M <= 4;  // decode: stream the packed panel once, no tile
+  std::vector<float> xs(direct ? static_cast<size_t>(M * G) : 0);  // group sums of x's rows
+  for (int64_t r = 0; direct && r < M; ++r)
+    for (int64_t g = 0; g < G; ++g) {
+      float t = 0.f;
+      for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) t += xp[r * K + k];
+      xs[r * G + g] = t;
+    }
+  const int64_t n_mb = direct ? 1 : (M + MB - 1) / MB;
   const int64_t tasks = n_mb * P;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(static_cast<size_t>(K) * NB);
+    std::vector<float> tile(direct ? 0 : static_cast<size_t>(K) * NB);
     float acc[4 * NB];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / P, p = t % P;  // panels inner: a thread's panels are adjacent
-      dequant_panel(wp + p * (K / 2) * NB, sp + p * G * NB, mp + p * G * NB, K, group_size, tile.data());
       const int64_t cols = std::min<int64_t>(NB, n - p * NB);
       if (cols <= 0) continue;
-      const int64_t m_end = std::min(M, (mb + 1) * MB);
-      for (int64_t r0 = mb * MB; r0 < m_end; r0 += 4) {
+      const uint8_t* wpan = wp + p * (K / 2) * NB;
+      const float* span = sp + p * G * NB;
+      const float* mpan = mp + p * G * NB;
+      if (!direct) dequant_panel(wpan, span, mpan, K, group_size, tile.data());
+      const int64_t m_end = direct ? M : std::min(M, (mb + 1) * MB);
+      for (int64_t r0 = direct ? 0 : mb * MB; r0 < m_end; r0 += 4) {
         const int rows = static_cast<int>(std::min<int64_t>(4, m_end - r0));
         const float* xr = xp + r0 * K;
-        switch (rows) {
-          case 4: micro<4>(xr, K, tile.data(), K, acc); break;
-          case 3: micro<3>(xr, K, tile.data(), K, acc); break;
-          case 2: micro<2>(xr, K, tile.data(), K, acc); break;
-          default: micro<1>(xr, K, tile.data(), K, acc); break;
+        if (direct) {
+          switch (rows) {
+            case 4: direct_w4<4>(xr, K, xs.data() + r0 * G, G, wpan, span, mpan, K, group_size, acc); break;
+            case 3: direct_w4<3>(xr, K, xs.data() + r0 * G, G, wpan, span, mpan, K, group_size, acc); break;
+            case 2: direct_w4<2>(xr, K, xs.data() + r0 * G, G, wpan, span, mpan, K, group_size, acc); break;
+            default: direct_w4<1>(xr, K, xs.data() + r0 * G, G, wpan, span, mpan, K, group_size, acc); break;
+          }
+        } else {
+          switch (rows) {
+            case 4: micro<4>(xr, K, tile.data(), K, acc); break;
+            case 3: micro<3>(xr, K, tile.data(), K, acc); break;
+            case 2: micro<2>(xr, K, tile.data(), K, acc); break;
+            default: micro<1>(xr, K, tile.data(), K, acc); break;
+          }
         }
         for (int r = 0; r < rows; ++r) {
           const int64_t base = (r0 + r) * n + p * NB;
