@@ -144,10 +144,12 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]
     return aliases
 
 
-def load_tensors(path: Path, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, aliases: dict[str, str], *, region: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of ``path`` with the alias names added; ``region``: read into one page-aligned
+    mapping (:mod:`fxcompiler.param_memory`) that the CPU backend backs with huge pages in place."""
     from .models.safetensors_reader import read_safetensors
 
-    out = read_safetensors(path)
+    out = read_safetensors(path, region=region)
     for name, target in aliases.items():
         if target not in out:
             raise ValueError(f"{path}: alias {name!r} points at missing tensor {target!r}")
@@ -197,7 +199,7 @@ def load_program(directory: Path, *, restore_meta: bool = True) -> tuple[torch.f
         graph_io.restore_meta(gm, meta["signature"])
     else:  # restored on demand by fxcompiler.build_cache.ensure_meta
         gm.meta["fxc_signature"] = meta["signature"]
-    params = load_tensors(directory / "params.safetensors", meta["param_aliases"])
+    params = load_tensors(directory / "params.safetensors", meta["param_aliases"], region=True)
     g = dict(meta["geometry"])
     g["dtype"] = getattr(torch, g["dtype"])
     ctx = CompileContext([InputSpec(*s) for s in meta["input_specs"]], params, ModelGeometry(**g),
