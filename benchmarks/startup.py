@@ -9,6 +9,7 @@ Prints seconds to ``LLM(...)`` returned and to the first token, per run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -45,9 +46,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", default="cold,warm")
     ap.add_argument("--env", action="append", default=[], help="NAME=VALUE for the child processes")
+    ap.add_argument("--cache-dir", default=None,
+                    help="use (and keep) this FXCOMPILER_CACHE_DIR instead of a fresh temporary one: "
+                         "`--runs warm,warm,warm --cache-dir DIR` re-measures warm starts against one cold build")
     args = ap.parse_args(argv)
     env_extra = dict(e.split("=", 1) for e in args.env)
-    with tempfile.TemporaryDirectory(prefix="fxc-startup-") as cache:
+    with contextlib.ExitStack() as stack:
+        cache = args.cache_dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="fxc-startup-"))
         for kind in args.runs.split(","):
             res = run_once(cache, env_extra)
             extra = ", ".join(f"{k} {v:.1f}s" for k, v in res["prebuild"].items())

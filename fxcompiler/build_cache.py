@@ -34,7 +34,7 @@ import torch
 
 from . import graph_io
 from .compile_cache import load_tensors, save_tensors, write_entry
-from .integrity import verify_checksums, write_checksums
+from .integrity import StampStore, stamp_store, verify_checksums, write_checksums
 from .pipeline import Bucket, DataBlob, Pipeline, pipeline_from_dict
 
 log = logging.getLogger("fxcompiler.cache")
@@ -56,7 +56,8 @@ class BuildCache:
     """``cache_dir/compiled/<program key>/builds/<build key>/`` entries of built fx pipelines."""
 
     def __init__(self, cache_dir: str | os.PathLike, program_key: str):
-        self.root = Path(cache_dir) / "compiled" / program_key / "builds"
+        self.cache_dir = Path(cache_dir)
+        self.root = self.cache_dir / "compiled" / program_key / "builds"
 
     def path(self, key: str) -> Path:
         return self.root / key
@@ -70,7 +71,7 @@ class BuildCache:
         if not entry.is_dir():
             return None
         try:
-            return _read(entry)
+            return _read(entry, stamp_store(self.cache_dir))
         except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
             log.warning("build cache entry %s is unreadable (%s); rebuilding it", entry, exc)
             shutil.rmtree(entry, ignore_errors=True)
@@ -108,8 +109,8 @@ class BuildCache:
         return True
 
 
-def _read(entry: Path) -> list[Pipeline]:
-    verify_checksums(entry)  # before any file of the entry is parsed or its code run
+def _read(entry: Path, stamps: StampStore | None = None) -> list[Pipeline]:
+    verify_checksums(entry, stamps=stamps)  # before any file of the entry is parsed or its code run
     data = json.loads((entry / "pipelines.json").read_text())
     if not isinstance(data, dict) or data.get("schema") != BUILD_SCHEMA_VERSION:
         raise ValueError(f"pipelines.json is not a build-cache schema {BUILD_SCHEMA_VERSION} entry")

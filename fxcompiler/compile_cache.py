@@ -35,7 +35,7 @@ import torch
 
 from . import graph_io
 from .capture import InputSpec, ModelGeometry
-from .integrity import verify_checksums, write_checksums
+from .integrity import StampStore, stamp_store, verify_checksums, write_checksums
 from .pass_manager import CompileContext
 
 log = logging.getLogger("fxcompiler.cache")
@@ -144,10 +144,12 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]
     return aliases
 
 
-def load_tensors(path: Path, aliases: dict[str, str]) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, aliases: dict[str, str], *, region: bool = False) -> dict[str, torch.Tensor]:
+    """The tensors of ``path`` with the alias names added; ``region``: read into one page-aligned
+    mapping (:mod:`fxcompiler.param_memory`) that the CPU backend backs with huge pages in place."""
     from .models.safetensors_reader import read_safetensors
 
-    out = read_safetensors(path)
+    out = read_safetensors(path, region=region)
     for name, target in aliases.items():
         if target not in out:
             raise ValueError(f"{path}: alias {name!r} points at missing tensor {target!r}")
@@ -179,11 +181,13 @@ def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext,
     write_checksums(directory)
 
 
-def load_program(directory: Path, *, restore_meta: bool = True) -> tuple[torch.fx.GraphModule, CompileContext]:
+def load_program(directory: Path, *, restore_meta: bool = True,
+                 stamps: StampStore | None = None) -> tuple[torch.fx.GraphModule, CompileContext]:
     """Read back what :func:`save_program` wrote. ``meta['val']`` is re-derived by fake propagation
     (seconds for a real model) unless ``restore_meta=False``, which leaves the placeholder
-    signature in ``gm.meta['fxc_signature']`` for :func:`fxcompiler.build_cache.ensure_meta`."""
-    verify_checksums(directory, exclude=("builds/", ".tmp-"))  # verify, then execute (graph.py is code)
+    signature in ``gm.meta['fxc_signature']`` for :func:`fxcompiler.build_cache.ensure_meta`.
+    ``stamps``: files hashed before and unchanged since are not hashed again (:class:`StampStore`)."""
+    verify_checksums(directory, exclude=("builds/", ".tmp-"), stamps=stamps)  # verify, then execute (graph.py is code)
     meta = json.loads((directory / "program.json").read_text())
     if meta.get("schema") != CACHE_SCHEMA_VERSION:
         raise ValueError(f"{directory}: program schema {meta.get('schema')} != {CACHE_SCHEMA_VERSION}")
@@ -197,7 +201,7 @@ def load_program(directory: Path, *, restore_meta: bool = True) -> tuple[torch.f
         graph_io.restore_meta(gm, meta["signature"])
     else:  # restored on demand by fxcompiler.build_cache.ensure_meta
         gm.meta["fxc_signature"] = meta["signature"]
-    params = load_tensors(directory / "params.safetensors", meta["param_aliases"])
+    params = load_tensors(directory / "params.safetensors", meta["param_aliases"], region=True)
     g = dict(meta["geometry"])
     g["dtype"] = getattr(torch, g["dtype"])
     ctx = CompileContext([InputSpec(*s) for s in meta["input_specs"]], params, ModelGeometry(**g),
@@ -209,7 +213,8 @@ class CompileCache:
     """``cache_dir/compiled/<key>/`` entries of optimised programs."""
 
     def __init__(self, cache_dir: str | os.PathLike):
-        self.root = Path(cache_dir) / "compiled"
+        self.cache_dir = Path(cache_dir)
+        self.root = self.cache_dir / "compiled"
 
     def path(self, key: str) -> Path:
         return self.root / key
@@ -226,7 +231,7 @@ class CompileCache:
             return None
         t0 = time.perf_counter()
         try:
-            program = load_program(entry, restore_meta=restore_meta)
+            program = load_program(entry, restore_meta=restore_meta, stamps=stamp_store(self.cache_dir))
         except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
             log.warning("compile cache entry %s is unreadable (%s); rebuilding it", entry, exc)
             shutil.rmtree(entry, ignore_errors=True)

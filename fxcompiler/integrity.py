@@ -8,6 +8,14 @@ no symlinks that lead out). Cache folders are created private (``0700``) and ref
 another user owns them or others may write to them (:func:`check_private_dir`), because a
 folder someone else can write to is a folder someone else can put code in.
 
+Hashing a cache entry's parameters on every start is most of what verification costs (a
+750 MB ``params.safetensors``), so a :class:`StampStore` in a private cache folder remembers
+each file it has hashed by ``(device, inode, size, mtime_ns, ctime_ns)``: a file whose status
+still matches is not hashed again. Any write, truncation, rename or ``utime`` on the file
+changes its ``ctime``, which unprivileged users cannot set; stamps are kept only in a folder
+that passes :func:`check_private_dir` and are never used with ``FXCOMPILER_TRUST_CACHE_DIR=1``
+(see docs/security.md for the trust model).
+
 Requires: nothing beyond the standard library. Ensures: the helpers raise
 :class:`IntegrityError` (a ``ValueError``) naming the file and the reason.
 """
@@ -37,6 +45,67 @@ def sha256_file(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 22), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+_STAMP_MIN_AGE_NS = 2_000_000_000  # file timestamps are coarse (a jiffy): only stamp files changed >= 2 s ago
+
+
+class StampStore:
+    """sha256 digests of files remembered by their status, in a private folder (one JSON per file)."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+
+    def _record_path(self, path: Path) -> Path:
+        return self.directory / hashlib.sha256(os.fsencode(os.path.abspath(path))).hexdigest()[:40]
+
+    @staticmethod
+    def _status(st: os.stat_result) -> list[int]:
+        return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+    def sha256(self, path: str | os.PathLike) -> str:
+        """The sha256 of ``path``: remembered if its status is unchanged since it was hashed, else hashed
+        (and remembered when the file is old enough that a later change must move its ``ctime``)."""
+        import time
+
+        path = Path(path)
+        st = os.stat(path, follow_symlinks=False)
+        record = self._record_path(path)
+        try:
+            data = json.loads(record.read_text())
+            if data.get("path") == os.path.abspath(path) and data.get("status") == self._status(st) \
+                    and isinstance(data.get("sha256"), str):
+                return data["sha256"]
+        except (OSError, ValueError, AttributeError):
+            pass
+        digest = sha256_file(path)
+        after = os.stat(path, follow_symlinks=False)
+        if self._status(after) == self._status(st) and time.time_ns() - st.st_ctime_ns >= _STAMP_MIN_AGE_NS:
+            tmp = record.with_name(f".tmp-{os.getpid()}-{record.name}")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    json.dump({"path": os.path.abspath(path), "status": self._status(st), "sha256": digest}, f)
+                os.replace(tmp, record)
+            except OSError:
+                tmp.unlink(missing_ok=True)
+        return digest
+
+
+def stamp_store(cache_dir: str | os.PathLike | None) -> StampStore | None:
+    """The :class:`StampStore` of ``cache_dir`` (``cache_dir/verified``), or None where stamps must not
+    be trusted: no cache folder, ``FXCOMPILER_TRUST_CACHE_DIR=1`` (a folder others may write to),
+    ``FXCOMPILER_VERIFY_STAMPS=0``, or a folder that is not private to this user."""
+    if cache_dir is None or os.environ.get("FXCOMPILER_TRUST_CACHE_DIR") == "1" \
+            or os.environ.get("FXCOMPILER_VERIFY_STAMPS", "1") == "0":
+        return None
+    root = Path(cache_dir)
+    try:
+        if _mode_problem(root, root.stat()) is not None:
+            return None
+        return StampStore(check_private_dir(root / "verified", what="verified-stamp folder"))
+    except OSError:
+        return None
 
 
 def confined(root: str | os.PathLike, rel: Any, *, what: str = "path") -> Path:
@@ -74,9 +143,10 @@ def write_checksums(root: str | os.PathLike) -> None:
 
 
 def verify_records(root: str | os.PathLike, files: Any, *, manifest: str = CHECKSUMS,
-                   exhaustive: bool = True, exclude: tuple[str, ...] = ()) -> None:
+                   exhaustive: bool = True, exclude: tuple[str, ...] = (), stamps: StampStore | None = None) -> None:
     """Every file of ``files`` (``{rel: {"size", "sha256"}}``) exists inside ``root`` with that size
-    and sha256; with ``exhaustive`` no other regular file or any symlink exists under ``root``."""
+    and sha256; with ``exhaustive`` no other regular file or any symlink exists under ``root``.
+    ``stamps``: digests of unchanged files are taken from there (:class:`StampStore`)."""
     root = Path(root)
     if not isinstance(files, dict) or not files:
         raise IntegrityError(f"{root / manifest}: has no file list")
@@ -91,7 +161,7 @@ def verify_records(root: str | os.PathLike, files: Any, *, manifest: str = CHECK
         size = f.stat().st_size
         if size != info["size"]:
             raise IntegrityError(f"{f}: size {size} bytes, expected {info['size']} (truncated or replaced)")
-        if sha256_file(f) != info["sha256"]:
+        if (stamps.sha256(f) if stamps is not None else sha256_file(f)) != info["sha256"]:
             raise IntegrityError(f"{f}: sha256 differs from {manifest} (the file was modified)")
     if exhaustive:
         for f in root.rglob("*"):
@@ -104,7 +174,8 @@ def verify_records(root: str | os.PathLike, files: Any, *, manifest: str = CHECK
                 raise IntegrityError(f"{f}: not listed in {manifest} (planted or left behind)")
 
 
-def verify_checksums(root: str | os.PathLike, *, exclude: tuple[str, ...] = ()) -> None:
+def verify_checksums(root: str | os.PathLike, *, exclude: tuple[str, ...] = (),
+                     stamps: StampStore | None = None) -> None:
     """Check the entry ``root`` against its ``checksums.json`` (see :func:`verify_records`)."""
     root = Path(root)
     rec = root / CHECKSUMS
@@ -114,7 +185,7 @@ def verify_checksums(root: str | os.PathLike, *, exclude: tuple[str, ...] = ()) 
         files = json.loads(rec.read_text()).get("files")
     except (json.JSONDecodeError, AttributeError) as exc:
         raise IntegrityError(f"{rec}: not valid JSON ({exc})") from None
-    verify_records(root, files, exclude=exclude)
+    verify_records(root, files, exclude=exclude, stamps=stamps)
 
 
 def _mode_problem(path: Path, st: os.stat_result) -> str | None:

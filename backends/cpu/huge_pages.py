@@ -4,15 +4,24 @@ A batch-1 decode step reads all of the model's weights (269 MB for SmolLM2-135M 
 DRAM; on 4 KiB pages that is one TLB miss and page walk every 4 KiB of the stream.  Linux gives
 anonymous memory 2 MiB pages when the region is advised ``MADV_HUGEPAGE`` (the kernel default
 ``transparent_hugepage=madvise`` gives them to nobody else), and torch's allocator advises only
-when the process starts with ``THP_MEM_ALLOC_ENABLE=1``.  So the engine copies the large CPU
-parameters into one anonymous mapping advised for huge pages before the executables bind them.
+when the process starts with ``THP_MEM_ALLOC_ENABLE=1``.  So the engine puts the large CPU
+parameters into page-aligned anonymous mappings and has the kernel back those with huge pages.
 
 Measured on the dev VM (2 threads, the 121 linears of one SmolLM2 decode step, both pools in one
 process, 40-60 interleaved rounds): bf16 9.00 → 8.52 ms and 8.54 → 8.28 ms, fp32 16.15 → 15.82 ms
 (3-5 %).
 
-``FXCOMPILER_HUGE_PAGES=0`` switches it off.  Where the kernel has no transparent huge pages
-(``never``, or no ``madvise``) nothing is copied.
+Start-up: faulting 2 MiB pages in is where the time goes (the kernel compacts memory to find
+them: 1.46 s for SmolLM2's fp32 weights on a busy host, versus 0.15 s for the copy itself).  On
+kernels with ``MADV_COLLAPSE`` (Linux 6.1+) nothing waits for it: the weights are placed on
+4 KiB pages (a cached program's parameters are already read into such a mapping,
+:mod:`fxcompiler.param_memory`, so they are not even copied) and a background thread collapses
+the mappings into huge pages in place while the engine already serves (:func:`wait` blocks until
+it is done).  Older kernels keep the former path: a mapping advised before the copy, faulted in
+2 MiB pages synchronously.
+
+``FXCOMPILER_HUGE_PAGES=0`` switches it off, ``=sync`` forces the synchronous path.  Where the
+kernel has no transparent huge pages (``never``, or no ``madvise``) nothing is copied.
 """
 from __future__ import annotations
 
@@ -20,14 +29,16 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import threading
 from pathlib import Path
 
 import torch
 
-__all__ = ["available", "place_in_huge_pages"]
+from fxcompiler import param_memory
+
+__all__ = ["available", "place_in_huge_pages", "wait"]
 
 _THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-_ALIGN = 4096  # every tensor starts on its own 4 KiB boundary (kernels load vectors unaligned anyway)
 
 
 def available() -> bool:
@@ -41,38 +52,96 @@ def available() -> bool:
     return "[never]" not in mode
 
 
-def place_in_huge_pages(params: dict[str, torch.Tensor], min_bytes: int = 1 << 20) -> int:
-    """Move the contiguous CPU tensors of ``params`` of at least ``min_bytes`` into one huge-page mapping.
+def _collapse_supported() -> bool:
+    """Whether ``madvise(MADV_COLLAPSE)`` exists (Linux 6.1+) and the synchronous path is not forced."""
+    if os.environ.get("FXCOMPILER_HUGE_PAGES", "1") == "sync":
+        return False
+    try:
+        major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    except (ValueError, AttributeError):
+        return False
+    return (major, minor) >= (6, 1)
 
-    The dict is updated in place (every holder of it sees the new tensors; the old ones are freed
-    when nothing else holds them); values, dtypes, shapes and strides are unchanged.  Entries that
-    are the same tensor (tied weights) stay one tensor.  Returns the bytes moved (0 when huge pages
-    are not available or nothing qualifies)."""
+
+def place_in_huge_pages(params: dict[str, torch.Tensor], min_bytes: int = 1 << 20) -> int:
+    """Put the contiguous CPU tensors of ``params`` of at least ``min_bytes`` into huge-page mappings.
+
+    Tensors already in a :mod:`fxcompiler.param_memory` region stay where they are (their region is
+    collapsed in place); the others are copied into one new region, and the dict is updated in place
+    (every holder of it sees the new tensors; the old ones are freed when nothing else holds them);
+    values, dtypes, shapes and strides are unchanged.  Entries that are the same tensor (tied
+    weights) stay one tensor.  Returns the bytes copied (0 when huge pages are not available or
+    nothing qualifies).  With ``MADV_COLLAPSE`` the huge pages arrive in the background: :func:`wait`."""
     if not available():
         return 0
+    collapse = _collapse_supported()
     chosen: dict[tuple, list[str]] = {}
+    resident: dict[int, param_memory.Region] = {}
     for name, t in params.items():
         if (isinstance(t, torch.Tensor) and t.device.type == "cpu" and t.is_contiguous() and not t.requires_grad
                 and t.numel() * t.element_size() >= min_bytes):
+            region = param_memory.region_of(t) if collapse else None
+            if region is not None:
+                resident[region.address] = region
+                continue
             key = (t.data_ptr(), t.dtype, tuple(t.shape))
             chosen.setdefault(key, []).append(name)
-    if not chosen:
-        return 0
-    sizes = [params[names[0]].numel() * params[names[0]].element_size() for names in chosen.values()]
-    total = sum(-(-s // _ALIGN) * _ALIGN for s in sizes)
-    region = mmap.mmap(-1, total, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    region.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copies below fault 2 MiB pages in
-    pool = torch.frombuffer(region, dtype=torch.uint8)  # holds `region` for as long as a view lives
     offset = 0
-    for names, size in zip(chosen.values(), sizes):
-        src = params[names[0]]
-        dst = pool[offset:offset + size].view(src.dtype).view(src.shape)
-        dst.copy_(src)
-        for name in names:
-            params[name] = dst
-        offset += -(-size // _ALIGN) * _ALIGN
-    _release_freed_heap()
+    if chosen:
+        sizes = [params[names[0]].numel() * params[names[0]].element_size() for names in chosen.values()]
+        region, pool = param_memory.allocate(sum(param_memory.aligned(s) for s in sizes))
+        if not collapse:
+            region.mapping.madvise(mmap.MADV_HUGEPAGE)  # before the first touch: the copies fault 2 MiB pages in
+        for names, size in zip(chosen.values(), sizes):
+            src = params[names[0]]
+            dst = pool[offset:offset + size].view(src.dtype).view(src.shape)
+            dst.copy_(src)
+            for name in names:
+                params[name] = dst
+            offset += param_memory.aligned(size)
+        if collapse:
+            resident[region.address] = region
+        _release_freed_heap()
+    if collapse and resident:
+        _start_collapse(list(resident.values()))
     return offset
+
+
+_MADV_COLLAPSE = 25  # linux/mman.h (Python 3.11's mmap module does not name it)
+_CHUNK = 32 << 20  # collapse in pieces: the engine's threads keep running in between
+_threads: list[threading.Thread] = []
+
+
+def _start_collapse(regions: list[param_memory.Region]) -> None:
+    thread = threading.Thread(target=_collapse, args=(regions,), name="fxcompiler-huge-pages", daemon=True)
+    _threads.append(thread)
+    thread.start()
+
+
+def _collapse(regions: list[param_memory.Region]) -> None:
+    """Advise each region ``MADV_HUGEPAGE`` and collapse it into huge pages (holds the mappings meanwhile)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    except OSError:
+        return
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for region in regions:
+        libc.madvise(region.address, region.nbytes, mmap.MADV_HUGEPAGE)  # later faults / khugepaged: huge too
+        for start in range(0, region.nbytes, _CHUNK):
+            n = min(_CHUNK, region.nbytes - start)
+            if libc.madvise(region.address + start, n, _MADV_COLLAPSE) != 0 and ctypes.get_errno() == 22:
+                return  # EINVAL: this kernel has no MADV_COLLAPSE (khugepaged still may collapse later)
+            # other errors (EAGAIN, ENOMEM: no huge page free right now) leave that piece on 4 KiB pages
+
+
+def wait(timeout: float | None = None) -> bool:
+    """Block until the background collapses started so far are done; False on timeout."""
+    for thread in list(_threads):
+        thread.join(timeout)
+        if thread.is_alive():
+            return False
+        _threads.remove(thread)
+    return True
 
 
 def _release_freed_heap() -> None:

@@ -9,7 +9,6 @@ random weights; ``hf_overrides`` patch the config first.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -54,12 +53,12 @@ class LoadedModel:
     model_dir: Path | None  # HF-format directory the weights came from (None for random weights from a gguf)
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()[:16]
+def _file_digest(path: Path, cache_dir: str | os.PathLike | None = None) -> str:
+    """The first 16 hex digits of the file's sha256 (remembered in ``cache_dir``'s stamps while unchanged)."""
+    from ..integrity import sha256_file, stamp_store
+
+    stamps = stamp_store(cache_dir)
+    return (stamps.sha256(path) if stamps is not None else sha256_file(path))[:16]
 
 
 def _safe_name(model_id: str) -> str:
@@ -72,7 +71,7 @@ def convert_gguf(gguf: Path, model_id: str, cache_dir: str | os.PathLike | None)
         root = Path(tempfile.mkdtemp(prefix="fxcompiler-gguf-"))
     else:
         root = Path(cache_dir) / "models"
-    target = root / f"{_safe_name(model_id)}-{_file_digest(gguf)}"
+    target = root / f"{_safe_name(model_id)}-{_file_digest(gguf, cache_dir)}"
     if _complete(target):
         return target
     root.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,10 @@
 them lives, every page ever read stays resident. The compiler re-lays most weights out
 (and frees the originals one by one), so owning each tensor separately keeps peak
 memory near one copy of the model instead of two.
+
+With ``region=True`` every tensor is read straight into one page-aligned anonymous mapping
+(:mod:`fxcompiler.param_memory`, each tensor on its own 4 KiB boundary): a cached program's
+parameters, which the CPU backend then backs with huge pages in place instead of copying.
 """
 from __future__ import annotations
 
@@ -20,11 +24,12 @@ _DTYPES = {
 }
 
 
-def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """All tensors of one file; raises ``ValueError`` naming the file if it is truncated or malformed."""
+def read_safetensors(path: str | os.PathLike, *, region: bool = False) -> dict[str, torch.Tensor]:
+    """All tensors of one file; raises ``ValueError`` naming the file if it is truncated or malformed.
+    ``region``: the tensors are views of one anonymous mapping (see the module doc)."""
     out: dict[str, torch.Tensor] = {}
     size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with open(path, "rb", buffering=0 if region else -1) as f:
         head = f.read(8)
         if len(head) != 8:
             raise ValueError(f"{path}: not a safetensors file (too short)")
@@ -33,20 +38,47 @@ def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
             raise ValueError(f"{path}: corrupt safetensors header length {n}")
         header = json.loads(f.read(n))
         base = 8 + n
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
+        entries = [(name, info) for name, info in header.items() if name != "__metadata__"]
+        for name, info in entries:
             if info["dtype"] not in _DTYPES:
                 raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
             start, end = info["data_offsets"]
-            t = torch.empty(info["shape"], dtype=_DTYPES[info["dtype"]])
+            if any(int(d) < 0 for d in info["shape"]) or end - start != _nbytes(info) or base + end > size:
+                raise ValueError(f"{path}: tensor {name!r} is truncated or has inconsistent offsets")
+        pool, offset = None, 0
+        if region:
+            from ..param_memory import aligned, allocate
+
+            total = sum(aligned(_nbytes(info)) for _, info in entries)
+            _, pool = allocate(total)
+        for name, info in entries:
+            start, end = info["data_offsets"]
+            dtype = _DTYPES[info["dtype"]]
+            if pool is None:
+                t = torch.empty(info["shape"], dtype=dtype)
+            else:
+                nb = _nbytes(info)
+                t = pool[offset:offset + nb].view(dtype).view(info["shape"])
+                offset += aligned(nb)
             nbytes = t.numel() * t.element_size()
             if end - start != nbytes or base + end > size:
                 raise ValueError(f"{path}: tensor {name!r} is truncated or has inconsistent offsets")
             if nbytes:
                 f.seek(base + start)
-                got = f.readinto(memoryview(t.view(-1).view(torch.uint8).numpy()))
+                view, got = memoryview(t.view(-1).view(torch.uint8).numpy()), 0
+                while got < nbytes:  # an unbuffered read may return less than asked
+                    k = f.readinto(view[got:])
+                    if not k:
+                        break
+                    got += k
                 if got != nbytes:
                     raise ValueError(f"{path}: tensor {name!r} is truncated")
             out[name] = t
     return out
+
+
+def _nbytes(info: dict) -> int:
+    count = 1
+    for d in info["shape"]:
+        count *= int(d)
+    return count * torch.empty((), dtype=_DTYPES[info["dtype"]]).element_size()

@@ -114,3 +114,93 @@ def test_stale_temporaries_of_dead_writers_are_removed(tmp_path):
     removed = {p.name for p in remove_stale_temps(tmp_path, ".convert-")}
     assert removed == {f".convert-{dead_pid}-abc", ".convert-legacy"}
     assert (tmp_path / f".convert-{os.getpid()}-mine").exists()
+
+
+# -- verified stamps: unchanged files are not hashed again, any change is --------------------------------------------
+def _counting_hash(monkeypatch):
+    from fxcompiler import integrity
+
+    calls = []
+    real = integrity.sha256_file
+    monkeypatch.setattr(integrity, "sha256_file", lambda p: calls.append(os.fspath(p)) or real(p))
+    return calls
+
+
+def _stamped_entry(tmp_path, monkeypatch):
+    from fxcompiler import integrity
+
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR", raising=False)
+    monkeypatch.setattr(integrity, "_STAMP_MIN_AGE_NS", 0)  # files of this test are seconds old, not minutes
+    cache = check_private_dir(tmp_path / "cache")
+    e = _entry(cache)
+    stamps = integrity.stamp_store(cache)
+    assert stamps is not None and (stamps.directory.stat().st_mode & 0o777) == 0o700
+    return e, stamps
+
+
+def test_stamps_skip_hashing_unchanged_files(tmp_path, monkeypatch):
+    e, stamps = _stamped_entry(tmp_path, monkeypatch)
+    calls = _counting_hash(monkeypatch)
+    verify_checksums(e, stamps=stamps)
+    assert len(calls) == 2  # graph.py and graphs/b.bin, hashed once
+    verify_checksums(e, stamps=stamps)
+    assert len(calls) == 2  # the second verification hashed nothing
+
+
+@pytest.mark.parametrize("restore_mtime", [False, True])
+def test_stamps_never_hide_a_modified_file(tmp_path, monkeypatch, restore_mtime):
+    """Same size, mtime put back with utime: the ctime still moves, so the file is hashed and refused."""
+    e, stamps = _stamped_entry(tmp_path, monkeypatch)
+    verify_checksums(e, stamps=stamps)
+    f = e / "graphs" / "b.bin"
+    st = f.stat()
+    with open(f, "r+b") as fh:
+        fh.write(b"\x01")
+    if restore_mtime:
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(IntegrityError, match="sha256 differs"):
+        verify_checksums(e, stamps=stamps)
+
+
+def test_a_replaced_file_is_hashed_again(tmp_path, monkeypatch):
+    e, stamps = _stamped_entry(tmp_path, monkeypatch)
+    verify_checksums(e, stamps=stamps)
+    f = e / "graph.py"
+    evil = e / "evil.tmp"
+    evil.write_text("import os\n#       ")  # same size as the original line
+    os.replace(evil, f)
+    with pytest.raises(IntegrityError, match="size|sha256"):
+        verify_checksums(e, stamps=stamps)
+
+
+def test_recently_changed_files_are_not_stamped(tmp_path, monkeypatch):
+    """File timestamps are coarse: a file changed less than 2 s ago could change again within the same tick."""
+    from fxcompiler import integrity
+
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR", raising=False)
+    cache = check_private_dir(tmp_path / "cache")
+    e = _entry(cache)
+    stamps = integrity.stamp_store(cache)
+    calls = _counting_hash(monkeypatch)
+    verify_checksums(e, stamps=stamps)
+    verify_checksums(e, stamps=stamps)
+    assert len(calls) == 4
+    assert not any(p.is_file() for p in stamps.directory.iterdir())
+
+
+def test_no_stamps_for_shared_or_untrusted_cache_folders(tmp_path, monkeypatch):
+    from fxcompiler.integrity import stamp_store
+
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR", raising=False)
+    private = check_private_dir(tmp_path / "private")
+    assert stamp_store(private) is not None
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    assert stamp_store(shared) is None
+    assert stamp_store(None) is None
+    monkeypatch.setenv("FXCOMPILER_TRUST_CACHE_DIR", "1")
+    assert stamp_store(private) is None  # a cache shared on purpose: others may write there, always hash
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR")
+    monkeypatch.setenv("FXCOMPILER_VERIFY_STAMPS", "0")
+    assert stamp_store(private) is None

@@ -56,7 +56,44 @@ def test_the_kernel_backs_the_mapping_with_huge_pages():
         pytest.skip("no transparent huge pages on this kernel (or FXCOMPILER_HUGE_PAGES=0)")
     params = {"w": torch.randn(8 << 20 >> 2)}          # 8 MiB: at least three whole 2 MiB pages
     huge_pages.place_in_huge_pages(params)
+    assert huge_pages.wait(60)                         # MADV_COLLAPSE runs in the background
     assert _huge_bytes_at(params["w"].data_ptr()) >= 2 << 20
+
+
+def test_the_synchronous_path_faults_huge_pages_before_returning(monkeypatch):
+    if not huge_pages.available():
+        pytest.skip("no transparent huge pages on this kernel (or FXCOMPILER_HUGE_PAGES=0)")
+    monkeypatch.setenv("FXCOMPILER_HUGE_PAGES", "sync")
+    params = {"w": torch.randn(8 << 20 >> 2)}
+    before = params["w"].clone()
+    assert huge_pages.place_in_huge_pages(params) == 8 << 20
+    assert torch.equal(params["w"], before)
+    assert _huge_bytes_at(params["w"].data_ptr()) >= 2 << 20
+
+
+def test_parameters_read_into_a_region_are_collapsed_in_place_not_copied(tmp_path):
+    """A cached program's params.safetensors is read into a param_memory region: no second copy."""
+    if not huge_pages.available() or not huge_pages._collapse_supported():
+        pytest.skip("needs transparent huge pages and MADV_COLLAPSE (Linux 6.1+)")
+    from safetensors.torch import save_file
+
+    from fxcompiler import param_memory
+    from fxcompiler.models.safetensors_reader import read_safetensors
+
+    ref = {"w": torch.randn(2048, 1024), "b": torch.randn(3), "h": torch.randn(1536, 1024).to(torch.bfloat16)}
+    save_file(ref, str(tmp_path / "p.safetensors"))
+    params = read_safetensors(tmp_path / "p.safetensors", region=True)
+    region = param_memory.region_of(params["w"])
+    assert region is not None and param_memory.region_of(params["h"]).address == region.address
+    assert all(t.data_ptr() % param_memory.ALIGN == 0 for t in params.values())
+    ptrs = {k: v.data_ptr() for k, v in params.items()}
+    assert huge_pages.place_in_huge_pages(params) == 0          # nothing copied
+    assert {k: v.data_ptr() for k, v in params.items()} == ptrs
+    assert huge_pages.wait(60)
+    assert _huge_bytes_at(params["w"].data_ptr()) >= 2 << 20
+    for k in ref:
+        assert torch.equal(params[k], ref[k]), k
+    assert param_memory.region_of(torch.randn(1 << 20)) is None
 
 
 def test_switched_off_by_environment(monkeypatch):
