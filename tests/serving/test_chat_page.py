@@ -31,9 +31,11 @@ STATS = re.compile(r"(\d+) tokens · ([0-9.]+) tok/s · first token (\d+) ms")
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     work = tmp_path_factory.mktemp("serve-page")
-    # greedy replies run to max tokens
-    model = save_tiny_chat_model(work / "model", never_eos=True, max_position_embeddings=LONG_CONTEXT)
-    # a 16384-token context: the long generation Stop cuts short runs for seconds even at ~1,500 tokens/s
+    # greedy replies run to max tokens; 512 wide and 4 deep, so the 16000-token generation Stop cuts short
+    # runs for over a minute (the 64-wide model streamed ~2,800 tokens/s and could end within 5 s, before a
+    # busy browser had taken the click)
+    model = save_tiny_chat_model(work / "model", never_eos=True, max_position_embeddings=LONG_CONTEXT,
+                                 hidden_size=512, num_hidden_layers=4)
     srv = start_server(model, work, served_name=NAME, api_key=KEY,
                        extra_flags=["--max-seq-len-to-capture", str(LONG_CONTEXT), "-db", f"1,{LONG_CONTEXT}"])
     yield srv

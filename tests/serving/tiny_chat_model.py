@@ -15,9 +15,11 @@ def _corpus() -> list[str]:
 
 
 def save_tiny_chat_model(path: str | Path, seed: int = 0, generation_config: dict | None = None,
-                         never_eos: bool = False, max_position_embeddings: int = 512) -> Path:
+                         never_eos: bool = False, max_position_embeddings: int = 512,
+                         hidden_size: int = 64, num_hidden_layers: int = 2) -> Path:
     """Save the model and tokenizer to ``path``; ``never_eos``: its eos logit is always 0 (a zero ``lm_head``
-    row), so greedy decoding never ends a reply early (the other 500+ random logits always hold a larger one)."""
+    row), so greedy decoding never ends a reply early (the other 500+ random logits always hold a larger one);
+    ``hidden_size``/``num_hidden_layers``: a larger model streams more slowly (the MLP is twice as wide)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -32,7 +34,8 @@ def save_tiny_chat_model(path: str | Path, seed: int = 0, generation_config: dic
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
                                      pad_token="</s>", clean_up_tokenization_spaces=False)
     hf_tok.chat_template = CHAT_TEMPLATE
-    cfg = LlamaConfig(vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=len(hf_tok), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                      num_hidden_layers=num_hidden_layers,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
                       bos_token_id=hf_tok.bos_token_id, eos_token_id=hf_tok.eos_token_id,
                       pad_token_id=hf_tok.pad_token_id)
