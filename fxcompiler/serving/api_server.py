@@ -266,18 +266,23 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
 
     async def stream_completion(gens, rid, created, req, n):
         prompt_tokens, completion = {}, 0
+        text_len: dict[int, int] = {}  # per choice: the text sent so far (the logprobs' text_offset)
         try:
             async for i, out in merged(gens):
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion += len(c.token_ids)
-                    if not c.text and c.finish_reason is None:
+                    # tokens whose text the detokenizer holds back (a partial UTF-8 character) still
+                    # send their logprobs, as vLLM does; without logprobs they wait for their text
+                    if not c.text and c.finish_reason is None and not (req.logprobs is not None and c.token_ids):
                         continue
+                    index = i * n + c.index
                     chunk = {"id": rid, "object": "text_completion", "created": created, "model": name,
-                             "choices": [{"index": i * n + c.index, "text": c.text,
+                             "choices": [{"index": index, "text": c.text,
                                           "finish_reason": _finish(c.finish_reason),
-                                          "logprobs": logprobs_completion(c, 0) if req.logprobs is not None
-                                          else None}]}
+                                          "logprobs": logprobs_completion(c, text_len.get(index, 0))
+                                          if req.logprobs is not None else None}]}
+                    text_len[index] = text_len.get(index, 0) + len(c.text)
                     yield f"data: {json.dumps(chunk)}\n\n"
             if req.stream_options and req.stream_options.include_usage:
                 ptoks = sum(prompt_tokens.values())
@@ -426,8 +431,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
                         choice = {"index": c.index, "delta": delta, "finish_reason": finish, "logprobs": None}
                         yield event([choice])
                         continue
-                    if not c.text and c.finish_reason is None:
-                        continue
+                    if not c.text and c.finish_reason is None and not (req.logprobs and c.token_ids):
+                        continue  # held-back text (a partial UTF-8 character): sent with the next delta
                     choice = {"index": c.index, "delta": {"content": c.text} if c.text else {},
                               "finish_reason": _finish(c.finish_reason),
                               "logprobs": logprobs_chat(c, req.top_logprobs or 0) if req.logprobs else None}
