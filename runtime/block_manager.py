@@ -17,6 +17,7 @@ needed (least recently released first).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -180,6 +181,35 @@ class BlockManager:
     def cached_prefix_tokens(self, seq: Sequence, num_tokens: int) -> int:
         """Leading tokens of ``seq`` whose K/V admitting it now would reuse from the cache."""
         return len(self._lookup(seq, num_tokens)) * self.block_size
+
+    def prefix_tokens(self, token_ids: list[int], queued: Iterable[Sequence] = ()) -> int:
+        """Leading tokens of a new prompt ``token_ids`` whose K/V this cache holds, or that one of the
+        ``queued`` sequences (same leading blocks) computes before it would: what a data-parallel
+        router saves by sending the prompt here. The last token's block is never counted (as in
+        :meth:`_lookup`)."""
+        bs = self.block_size
+        full = (len(token_ids) - 1) // bs
+        if not self.enable_prefix_caching or full <= 0:
+            return 0
+        planned: dict[int, tuple[Sequence, int]] = {}
+        for s in queued:
+            n = min(full, (len(s.prompt_token_ids) - 1) // bs)
+            for i, h in enumerate(self.block_hashes(s, n)):
+                planned.setdefault(h, (s, i))
+        parent, hits = _ROOT_HASH, 0
+        for i in range(full):
+            blk = tuple(token_ids[i * bs:(i + 1) * bs])
+            parent = hash((parent, blk))
+            b = self._cached.get(parent)
+            if b is not None and self._tokens_of[b] == blk:
+                hits += 1
+                continue
+            q = planned.get(parent)
+            if q is not None and tuple(q[0].prompt_token_ids[q[1] * bs:(q[1] + 1) * bs]) == blk:
+                hits += 1
+                continue
+            break
+        return hits * bs
 
     def blocks_to_allocate(self, seq: Sequence, num_tokens: int) -> int:
         """How many blocks admitting ``seq`` with ``num_tokens`` tokens takes from the free pool."""

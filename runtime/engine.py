@@ -151,6 +151,14 @@ class Engine:
         self.requests[request_id] = st
         self.scheduler.add(seq)
 
+    def prefix_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> int:
+        """Leading prompt tokens this engine would not compute again: K/V in its prefix cache or
+        computed first by a request it holds (the data-parallel router's cache affinity)."""
+        if params.prompt_logprobs is not None:
+            return 0
+        held = [s for st in list(self.requests.values()) for s in st.seqs if not s.is_finished]
+        return self.scheduler.blocks.prefix_tokens(list(prompt_token_ids), held)
+
     def check_params(self, params: SamplingParams) -> None:
         """Rules that depend on the engine (``kv_cache_sharing_across_beams_config``, a guided_decoding
         grammar that compiles for this tokenizer); ValueError."""

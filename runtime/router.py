@@ -3,8 +3,12 @@
 :class:`ReplicaRouter` stands where one :class:`~runtime.engine.Engine` stands (the ``LLM``'s
 driver and lifecycle use the same methods). A new request goes to the least-loaded replica,
 the load being its queued tokens: for every unfinished sequence, the prompt tokens not yet in
-its KV cache plus the tokens it may still generate (``max_tokens`` less what it produced);
-ties go to the lowest index.
+its KV cache plus the tokens it may still generate (``max_tokens`` less what it produced).
+With prefix caching the prompt's own cost counts too: the leading tokens a replica already holds
+(its prefix cache, or a request it holds that computes the same leading blocks first) are not
+computed again there, so the request goes where queued tokens plus the prompt tokens left to
+compute are fewest; ties go to the lowest index. A shared system prompt thus stays on the
+replicas that hold it until their queues outweigh computing it elsewhere.
 A step steps every replica that has work and returns their outputs together. Each replica owns
 its scheduler, block manager and KV cache (in-process, or in its own rank workers when the
 replica is itself tensor/pipeline parallel).
@@ -28,6 +32,7 @@ class ReplicaRouter:
         self.replicas = list(replicas)
         self._where: dict[str, int] = {}  # request id -> its replica
         self.routed = [0] * len(self.replicas)  # requests each replica received (introspection)
+        self.prefix_routed_tokens = [0] * len(self.replicas)  # prompt tokens routed onto a held prefix
 
     # -- the Engine interface the LLM uses ---------------------------------------------------------
     def configure(self, **kwargs) -> None:
@@ -66,10 +71,17 @@ class ReplicaRouter:
         if request_id in self._where:
             raise ValueError(f"request_id {request_id!r} is already in use")
         load = self.loads()
-        i = min(range(len(self.replicas)), key=lambda k: (load[k], k))
+        held = self.prefix_tokens(prompt_token_ids, params)
+        i = min(range(len(self.replicas)), key=lambda k: (load[k] - held[k], k))
         self.replicas[i].add_request(request_id, prompt_token_ids, params, prompt)
         self._where[request_id] = i
         self.routed[i] += 1
+        self.prefix_routed_tokens[i] += held[i]
+
+    def prefix_tokens(self, prompt_token_ids: list[int], params: SamplingParams) -> list[int]:
+        """Each replica's leading prompt tokens it would not compute again (0 where a replica cannot say)."""
+        return [r.prefix_tokens(prompt_token_ids, params) if hasattr(r, "prefix_tokens") else 0
+                for r in self.replicas]
 
     def abort_request(self, request_id: str) -> None:
         i = self._where.pop(request_id, None)

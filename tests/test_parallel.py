@@ -246,6 +246,23 @@ def test_dp2_replicas_behind_the_router_give_one_process_tokens(tiny_llama, tp_c
         assert dp.parallel_plan.dp == 2 and len(dp.engine.replicas) == 2
 
 
+def test_dp2_router_keeps_a_shared_prefix_on_the_replica_that_holds_it(tiny_llama, tp_cache):
+    """Prefix-cache-aware routing: a prompt behind a 12-token system prompt (3 blocks of 4) that
+    replica 0 holds goes there although replica 0 is busier, and the tokens are one process's."""
+    system = [1] + [(11 * j) % 250 + 3 for j in range(11)]
+    prompts = [system + [5], [2, 3, 4], system + [7, 9]]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    kw = dict(KW, paged_attention_block_size=4)
+    with LLM(tiny_llama, cache_dir=tp_cache, **kw) as one:
+        want = [o.outputs[0].token_ids for o in one.generate(None, params, prompt_token_ids=prompts)]
+    with LLM(tiny_llama, data_parallel_size=2, cache_dir=tp_cache, **kw) as dp:
+        got = [o.outputs[0].token_ids for o in dp.generate(None, params, prompt_token_ids=prompts[:1])]
+        # [2, 3, 4] goes to replica 0 (a tie); the next prompt's 12 held tokens outweigh those 6 queued
+        got += [o.outputs[0].token_ids for o in dp.generate(None, params, prompt_token_ids=prompts[1:])]
+        assert got == want
+        assert dp.engine.routed == [3, 0] and dp.engine.prefix_routed_tokens == [12, 0], dp.engine.routed
+
+
 def test_torchrun_two_loopback_hosts_match_one_process(tiny_llama, tp_cache, reference, tmp_path):
     """docs/parallelism.md's recipe: two torchrun "hosts" (one rank each, separate torchrun
     processes, env:// rendezvous on 127.0.0.1) run examples/torchrun_generate.py with tp=2."""

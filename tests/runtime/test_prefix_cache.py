@@ -168,3 +168,31 @@ def test_block_tables_always_hold_each_sequences_tokens(ops, block_size, caching
         bm.free(s)
     bm.check_invariants()
     assert bm.num_free_blocks == bm.num_usable_blocks
+
+
+def test_prefix_tokens_counts_cached_and_queued_leading_blocks():
+    bm = BlockManager(num_blocks=32, block_size=4, max_seqs=8, max_blocks_per_seq=8, enable_prefix_caching=True)
+    a = seq(range(1, 15), "a")  # 3 full blocks cached after its prefill
+    run_prefill(bm, a)
+    assert bm.prefix_tokens(list(range(1, 15))) == 12
+    assert bm.prefix_tokens(list(range(1, 13))) == 8  # the last token's block is computed again
+    assert bm.prefix_tokens([1, 2, 3, 4, 0, 6, 7, 8, 9, 10]) == 4  # the chain breaks at the second block
+    assert bm.prefix_tokens([7, 7, 7, 7, 7]) == 0
+    queued = seq([5] * 9 + [1], "q")  # not computed yet: its leading blocks will be, before a new prompt's
+    assert bm.prefix_tokens([5] * 12) == 0
+    assert bm.prefix_tokens([5] * 12, [queued]) == 8
+    assert bm.prefix_tokens([5] * 4 + [6] * 8, [queued]) == 4
+    bm.enable_prefix_caching = False
+    assert bm.prefix_tokens(list(range(1, 15)), [queued]) == 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=14), min_size=1, max_size=6),
+       st.lists(st.integers(1, 3), min_size=1, max_size=14))
+def test_prefix_tokens_predicts_the_prefill_hits(prefilled, prompt):
+    """What prefix_tokens promises for a prompt is what admitting it reuses, on any cache state."""
+    bm = BlockManager(num_blocks=64, block_size=2, max_seqs=8, max_blocks_per_seq=8, enable_prefix_caching=True)
+    for i, toks in enumerate(prefilled):
+        run_prefill(bm, seq(toks, f"p{i}"))
+    want = bm.prefix_tokens(list(prompt))
+    assert run_prefill(bm, seq(prompt, "new")) == want

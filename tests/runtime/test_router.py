@@ -67,3 +67,43 @@ def test_requests_go_to_the_replica_with_fewest_queued_tokens():
     while router.has_unfinished_requests():
         router.step()
     assert router.loads() == [0, 0]
+
+
+class _CachingReplica(_Replica):
+    """A stand-in with a real prefix cache: prompts are computed (and their blocks cached) at once."""
+
+    def __init__(self):
+        super().__init__()
+        from runtime.block_manager import BlockManager
+
+        self.blocks = BlockManager(64, 4, 16, 16, enable_prefix_caching=True)
+
+    def prefix_tokens(self, ids, params):
+        return self.blocks.prefix_tokens(list(ids))
+
+    def add_request(self, rid, ids, params, prompt=None):
+        from runtime.sequence import Sequence
+
+        s = Sequence(rid, 0, list(ids), params, 0)
+        self.blocks.allocate(s, s.num_tokens)
+        s.num_cached = s.num_tokens
+        self.blocks.commit(s)
+        super().add_request(rid, ids, params, prompt)
+        self.requests[rid].seqs[0].num_uncomputed = 1  # its prompt is in the cache now
+
+
+def test_a_held_prefix_draws_requests_until_the_queue_outweighs_it():
+    a, b = _CachingReplica(), _CachingReplica()
+    router = ReplicaRouter([a, b])
+    system = [9] * 40
+    router.add_request("other", [1] * 8, SamplingParams(max_tokens=4))  # a: 1 + 4 queued
+    router.add_request("sys0", system + [2], SamplingParams(max_tokens=4))  # a 5 vs b 0 -> b (no prefix yet)
+    assert "sys0" in b.requests
+    for k in range(1, 6):  # b holds the 40-token prefix: 5 + 5k queued there beats 5 + 41 on a
+        router.add_request(f"sys{k}", system + [2 + k], SamplingParams(max_tokens=4))
+        assert f"sys{k}" in b.requests, (k, router.loads())
+    assert router.prefix_routed_tokens == [0, 5 * 40]
+    router.add_request("big", system + [3], SamplingParams(max_tokens=60))  # b: 30 - 40 < a: 5
+    assert "big" in b.requests
+    router.add_request("next", system + [4], SamplingParams(max_tokens=4))  # b: 30 + 61 - 40 = 51 > a: 5
+    assert "next" in a.requests, router.loads()
