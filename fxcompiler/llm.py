@@ -245,10 +245,7 @@ class LLM:
         self.parallel_plan = None if mppp is not None else resolve_plan(
             tensor_parallel_size, pipeline_parallel_size, data_parallel_size, self.devices, num_blocks_per_pp_stage)
         self._workers = None
-        if spec_request is not None and self.parallel_plan is not None:
-            if self.parallel_plan.dp > 1:
-                raise _later("speculative decoding with data_parallel_size > 1 (a proposer per replica)",
-                             "speculative-decoding issue")
+        if spec_request is not None and self.parallel_plan is not None and self.parallel_plan.tp * self.parallel_plan.pp > 1:
             if artifacts_export_path is not None:
                 raise _later("exporting an artifact of a tensor/pipeline-parallel target with its draft",
                              "speculative-decoding issue")
@@ -940,7 +937,7 @@ class LLM:
                           pipeline_parallel_size=pipeline_parallel_size, data_parallel_size=data_parallel_size,
                           num_blocks_per_pp_stage=num_blocks_per_pp_stage, devices=parse_devices(devices),
                           rank_of_plan=rank_of_plan)
-        if draft is not None and plan is not None:
+        if draft is not None and plan is not None and plan.tp * plan.pp > 1:
             from .speculative_artifacts import refuse_parallel_target
 
             raise refuse_parallel_target()

@@ -12,7 +12,8 @@
   ``speculative_draft_*`` and ``speculative_model_*`` arguments are ignored).
 
 The draft always gets its own KV cache and block manager (its pipelines are shared with the LLM
-that built them). Part of the composition root: only ``fxcompiler/llm.py`` imports this.
+that built them); with ``data_parallel_size > 1`` every replica gets its own speculator and draft
+KV cache, so each replica verifies its own requests. Part of the composition root: only ``fxcompiler/llm.py`` imports this.
 """
 from __future__ import annotations
 
@@ -201,7 +202,6 @@ def attach(target, req: SpeculativeRequest) -> None:
         if k is None:
             raise ValueError("num_speculative_tokens is required with speculative_model='[ngram]' (the model "
                              "config has no n_predict)")
-        proposer = NgramProposer(*_ngram_sizes(req.model))
     else:
         draft = build_draft(target, req)
         check_compatible(target, draft)
@@ -209,9 +209,11 @@ def attach(target, req: SpeculativeRequest) -> None:
         if k is None:
             raise ValueError("num_speculative_tokens is required: neither the draft's nor the target's config "
                              "has n_predict")
-        proposer = DraftModelProposer(_draft_runner(draft)) if target.engine is not None else None
     target.speculative_llm = draft
     target.num_speculative_tokens = k
     target._speculative_ngram = "[ngram]:%d:%d" % _ngram_sizes(req.model) if req.is_ngram else None  # for artifacts
-    if target.engine is not None:
-        target.engine.speculator = SpeculativeDecoder(proposer, SpeculativeConfig(k))
+    # data-parallel replicas: a speculator each (a draft runner with its own KV cache per replica)
+    engines = [] if target.engine is None else list(getattr(target.engine, "replicas", [target.engine]))
+    for engine in engines:
+        proposer = NgramProposer(*_ngram_sizes(req.model)) if req.is_ngram else DraftModelProposer(_draft_runner(draft))
+        engine.speculator = SpeculativeDecoder(proposer, SpeculativeConfig(k))

@@ -54,7 +54,7 @@ def _not_parallel(what: str) -> NotImplementedError:
 
 
 def refuse_parallel_target() -> NotImplementedError:
-    return _not_parallel("a target with rank workers or replicas; load the artifact with "
+    return _not_parallel("a target with rank workers; load the artifact with "
                          "skip_speculative_model_load=True, or from_artifacts(..., "
                          "use_speculative_decoding_if_possible=False), to serve it without speculation")
 

@@ -15,10 +15,13 @@ replica is itself tensor/pipeline parallel).
 """
 from __future__ import annotations
 
+from dataclasses import fields
 from typing import Any
 
 from fxcompiler.outputs import RequestOutput
 from fxcompiler.sampling_params import SamplingParams
+
+from .engine import EngineStats
 
 
 class _Requests(dict):
@@ -48,6 +51,17 @@ class ReplicaRouter:
         for r in self.replicas:
             out.update(r.requests)
         return out
+
+    @property
+    def stats(self) -> EngineStats:
+        """The replicas' statistics summed (a fresh snapshot: rates are over every replica)."""
+        total = EngineStats()
+        for r in self.replicas:
+            st = getattr(r, "stats", None)
+            if st is not None:
+                for f in fields(EngineStats):
+                    setattr(total, f.name, getattr(total, f.name) + getattr(st, f.name))
+        return total
 
     @property
     def runner(self):

@@ -209,9 +209,33 @@ def test_speculative_decoding_with_a_parallel_target_equals_one_process(tiny_lla
         _blocks_all_free(pp)
 
 
+def test_dp2_speculation_a_speculator_per_replica(tiny_llama, tp_cache, reference):
+    """Data-parallel replicas each verify their own requests, with the n-gram proposer and with a
+    draft model (a draft KV cache per replica); the tokens are one process's."""
+    with LLM(tiny_llama, cache_dir=tp_cache, skip_engine=True, **KW) as draft, \
+            LLM(tiny_llama, data_parallel_size=2, speculative_model=draft, num_speculative_tokens=3,
+                cache_dir=tp_cache, **KW) as dp:
+        got = [o.outputs[0].token_ids for o in dp.generate(None, PARAMS, prompt_token_ids=_prompts())]
+        assert got == reference
+        specs = [r.speculator for r in dp.engine.replicas]
+        assert specs[0] is not specs[1] and specs[0].proposer.blocks is not specs[1].proposer.blocks
+        assert specs[0].proposer.runner.kv is not specs[1].proposer.runner.kv
+        per = [r.stats.spec_verify_steps for r in dp.engine.replicas]
+        assert min(per) > 0 and dp.engine.stats.spec_verify_steps == sum(per), per
+        st = dp.engine.stats
+        assert st.spec_accepted_tokens == st.spec_proposed_tokens > 0  # the same model drafts: all accepted
+        for r in dp.engine.replicas:
+            for blocks in (r.scheduler.blocks, r.speculator.proposer.blocks):
+                blocks.check_invariants()
+                assert blocks.num_free_blocks == blocks.num_usable_blocks
+    with LLM(tiny_llama, data_parallel_size=2, speculative_model="[ngram]", num_speculative_tokens=2,
+             cache_dir=tp_cache, **KW) as dp:
+        got = [o.outputs[0].token_ids for o in dp.generate(None, PARAMS, prompt_token_ids=_prompts())]
+        assert got == reference
+        assert all(r.speculator is not None for r in dp.engine.replicas)
+
+
 def test_speculative_combinations_not_built_are_refused_before_any_worker_starts(tiny_llama):
-    with pytest.raises(NotImplementedError, match=r"speculative decoding with data_parallel_size > 1"):
-        LLM(tiny_llama, data_parallel_size=2, speculative_model="[ngram]", num_speculative_tokens=2, **KW)
     with pytest.raises(NotImplementedError, match=r"data-parallel draft \(speculative_draft_tensor_parallel_size=2"):
         LLM(tiny_llama, tensor_parallel_size=2, speculative_model=tiny_llama, num_speculative_tokens=2,
             speculative_draft_tensor_parallel_size=2, **KW)

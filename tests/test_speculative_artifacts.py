@@ -79,6 +79,10 @@ def test_artifact_carries_the_draft_and_loads_speculating(saved, cache_dir, caps
     assert proposed > 0 and accepted < proposed  # a different model: drafts rejected, output still the target's
     assert (st.spec_proposed_tokens, st.spec_accepted_tokens) == (proposed, accepted)  # the same draft came back
     llm.shutdown()
+    with _load(path, cache_dir, data_parallel_size=2) as dp:  # replicas of the artifact, a speculator each
+        assert [o.outputs[0].token_ids for o in dp.generate(None, GREEDY, prompt_token_ids=PROMPTS)] == ref
+        assert all(r.speculator is not None and r.stats.spec_verify_steps > 0 for r in dp.engine.replicas)
+    llm.shutdown()
 
     plain = _load(path, cache_dir, skip_speculative_model_load=True)
     assert plain.speculative_llm is None and plain.num_speculative_tokens is None and plain.engine.speculator is None
@@ -195,7 +199,7 @@ def test_bad_drafts_and_arguments(saved, cache_dir, tmp_path):
         _load(path, cache_dir, speculative_model=str(tmp_path / "nowhere"), skip_engine=True)
     parallel = "speculative decoding with tensor/pipeline/data parallelism"
     for kw in (dict(speculative_draft_data_parallel_size=2), dict(speculative_draft_pipeline_parallel_size=2),
-               dict(speculative_draft_num_blocks_per_pp_stage=[1, 1]), dict(data_parallel_size=2)):
+               dict(speculative_draft_num_blocks_per_pp_stage=[1, 1])):
         with pytest.raises(NotImplementedError, match=parallel):
             _load(path, cache_dir, **kw)
     with pytest.raises(ValueError, match="given with skip_speculative_model_load=True"):

@@ -115,7 +115,7 @@ class LLMEngine:
         run before the request is queued so that a server can answer them as a 400 (ValueError/TypeError)."""
         from runtime import admission
 
-        eng = self.engine
+        eng = getattr(self.engine, "replicas", [self.engine])[0]  # data-parallel replicas are alike
         admission.check_token_ids(ids, eng.vocab_size)
         eng.check_params(params)
         admission.check_bounds(params, eng.vocab_size)
@@ -154,15 +154,16 @@ class LLMEngine:
 
     def stats(self) -> dict[str, float]:
         """A snapshot for gauges and counters (read without the lock: values may be one step stale)."""
-        sched = self.engine.scheduler
-        blocks = sched.blocks
+        scheds = [r.scheduler for r in getattr(self.engine, "replicas", [self.engine])]  # data parallel: all
         st = self.engine.stats
-        usable = max(1, blocks.num_usable_blocks)
-        return {"num_running": float(len(sched.running)), "num_waiting": float(len(sched.waiting)),
-                "kv_cache_usage": 1.0 - blocks.num_free_blocks / usable,
-                "prefix_cache_queries": float(blocks.prefix_queries), "prefix_cache_hits": float(blocks.prefix_hits),
-                "num_preemptions": float(sched.num_preemptions), "prompt_tokens": float(st.prompt_tokens),
-                "generation_tokens": float(st.generated_tokens)}
+        usable = max(1, sum(s.blocks.num_usable_blocks for s in scheds))
+        return {"num_running": float(sum(len(s.running) for s in scheds)),
+                "num_waiting": float(sum(len(s.waiting) for s in scheds)),
+                "kv_cache_usage": 1.0 - sum(s.blocks.num_free_blocks for s in scheds) / usable,
+                "prefix_cache_queries": float(sum(s.blocks.prefix_queries for s in scheds)),
+                "prefix_cache_hits": float(sum(s.blocks.prefix_hits for s in scheds)),
+                "num_preemptions": float(sum(s.num_preemptions for s in scheds)),
+                "prompt_tokens": float(st.prompt_tokens), "generation_tokens": float(st.generated_tokens)}
 
 
 @dataclass

@@ -221,3 +221,27 @@ def test_generation_config_defaults_in_the_server(llm):
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6, r.text
     finally:
         engine.shutdown()
+
+
+def test_data_parallel_engine_serves_admits_and_reports_every_replica(llm, engine_args):
+    """LLMEngine over dp=2 replicas (the router): admission checks, steps and summed stats."""
+    from dataclasses import replace
+
+    ref = llm.generate(PROMPTS, greedy())
+    with LLM.from_engine_args(replace(engine_args, data_parallel_size=2)) as dp:
+        eng = LLMEngine(dp, replace(engine_args, data_parallel_size=2))
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(f"r{i}", p, greedy(output_kind=RequestOutputKind.FINAL_ONLY))
+        with pytest.raises(ValueError, match="prompt_token_ids must be in"):
+            eng.add_request("bad", {"prompt_token_ids": [10**6]}, greedy())
+        assert eng.stats()["num_waiting"] == len(PROMPTS)
+        done = {}
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                done[out.request_id] = out
+        assert [done[f"r{i}"].outputs[0].token_ids for i in range(len(PROMPTS))] == \
+            [r.outputs[0].token_ids for r in ref]
+        assert min(dp.engine.routed) >= 2, dp.engine.routed
+        st = eng.stats()
+        assert st["generation_tokens"] == sum(len(d.outputs[0].token_ids) for d in done.values())
+        assert st["num_running"] == st["num_waiting"] == 0 and st["kv_cache_usage"] == 0.0
