@@ -49,6 +49,9 @@ def shutdown(llm: Any, timeout: float = 10.0, release_sources: bool = True) -> N
     workers = llm.__dict__.get("_workers")  # a parallel plan's rank workers / replicas: reaped here
     if workers is not None:
         workers.shutdown()
+    draft = llm.__dict__.pop("_owned_draft", None)  # a parallel draft built for this LLM: its rank workers
+    if draft is not None:
+        shutdown(draft, timeout, release_sources=False)
     _LIVE.discard(llm)
     if release_sources:
         from .fx_sources import release_dead_sources

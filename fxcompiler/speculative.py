@@ -6,8 +6,11 @@
   ``"[ngram]:MIN:MAX"`` (default 2 and 4 tokens);
 * a model id / local path / ``.gguf`` file: built as an :class:`~fxcompiler.LLM` with the
   ``speculative_model_*`` arguments, the target's devices, block size and context. The draft runs
-  in the ``LLM`` process (a tensor/pipeline-parallel target's verify steps run in its rank workers);
-  ``speculative_draft_*`` parallel sizes other than 1 raise ``NotImplementedError``;
+  in the ``LLM`` process (a tensor/pipeline-parallel target's verify steps run in its rank workers),
+  or, with ``speculative_draft_tensor_parallel_size`` / ``_pipeline_parallel_size`` /
+  ``_num_blocks_per_pp_stage``, in rank workers of its own (their KV cache is the draft's; the
+  target shuts them down); ``speculative_draft_data_parallel_size`` is the target's (a draft
+  runner per replica);
 * an :class:`~fxcompiler.LLM` (e.g. a bf16 or quantized copy of the target): used as it is (the
   ``speculative_draft_*`` and ``speculative_model_*`` arguments are ignored).
 
@@ -21,6 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 NGRAM_KEYWORDS = ("[ngram]", "ngram")
+
+
+def _is_llm(obj) -> bool:
+    from .llm import LLM
+
+    return isinstance(obj, LLM)
 DRAFT_PARALLEL_SIZES = ("speculative_draft_tensor_parallel_size", "speculative_draft_pipeline_parallel_size",
                         "speculative_draft_data_parallel_size")
 
@@ -33,6 +42,16 @@ class SpeculativeRequest:
     num_speculative_tokens: int | None
     llm_kwargs: dict = field(default_factory=dict)  # for building a draft from an id/path
     target_defaults: dict = field(default_factory=dict)  # the target's devices and parallel sizes
+
+    @property
+    def is_parallel_draft(self) -> bool:
+        """A draft built from an id/path over several processes (tp or pp > 1, or several pp stages)."""
+        kw = self.llm_kwargs
+        stages = kw.get("speculative_draft_num_blocks_per_pp_stage")
+        return not self.is_ngram and not _is_llm(self.model) and (
+            (kw.get("speculative_draft_tensor_parallel_size") or 1) > 1
+            or (kw.get("speculative_draft_pipeline_parallel_size") or 1) > 1
+            or (stages is not None and len(list(stages)) > 1))
 
     @property
     def is_ngram(self) -> bool:
@@ -59,15 +78,18 @@ def parse_request(speculative_model, num_speculative_tokens, target_defaults: di
                                                or num_speculative_tokens <= 0):
         raise ValueError(f"num_speculative_tokens must be a positive int, got {num_speculative_tokens!r}")
     req = SpeculativeRequest(speculative_model, num_speculative_tokens, llm_kwargs, dict(target_defaults or {}))
-    parallel = {k: v for k in DRAFT_PARALLEL_SIZES if (v := llm_kwargs.get(k)) not in (None, 1)}
-    if llm_kwargs.get("speculative_draft_num_blocks_per_pp_stage") is not None:
-        parallel["speculative_draft_num_blocks_per_pp_stage"] = llm_kwargs["speculative_draft_num_blocks_per_pp_stage"]
-    if parallel and not isinstance(speculative_model, LLM) and not req.is_ngram:
+    for k in DRAFT_PARALLEL_SIZES:
+        v = llm_kwargs.get(k)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"{k} must be a positive int, got {v!r}")
+    dp = llm_kwargs.get("speculative_draft_data_parallel_size")
+    if dp not in (None, 1) and dp != req.target_defaults.get("dp") and not isinstance(speculative_model, LLM) \
+            and not req.is_ngram:
         from .llm import _later
 
-        raise _later("a tensor/pipeline/data-parallel draft (" + ", ".join(f"{k}={v!r}" for k, v in parallel.items())
-                     + "; the draft runs in the LLM process, beside a parallel target's rank workers)",
-                     "speculative-decoding issue")
+        raise _later(f"speculative_draft_data_parallel_size={dp!r} other than the target's data_parallel_size="
+                     f"{req.target_defaults.get('dp')!r} (every data-parallel replica of the target gets a draft "
+                     "runner of its own: the draft's data-parallel size is the target's)", "speculative-decoding issue")
     if req.is_ngram:
         _ngram_sizes(speculative_model)
     return req
@@ -103,6 +125,21 @@ def build_draft(target, req: SpeculativeRequest):
     kw = dict(req.llm_kwargs)
     tgt = req.target_defaults
     hf = kw.pop("speculative_model_config", None) or {}
+    if req.is_parallel_draft:  # its own rank workers (and an engine whose runner drives them)
+        stages = kw.get("speculative_draft_num_blocks_per_pp_stage")
+        stages = list(stages) if stages is not None else None
+        return LLM(str(req.model) if not isinstance(req.model, str) else req.model,
+                   llm_config=kw.get("speculative_model_llm_config"),
+                   qformat_path=kw.get("speculative_model_qformat_path"),
+                   qparam_path=kw.get("speculative_model_qparam_path"),
+                   quant_ckpt_file_path=kw.get("speculative_model_quant_ckpt_file_path"),
+                   hf_overrides=dict(hf), bucket_config=kw.get("speculative_model_bucket_config"),
+                   max_seq_len_to_capture=target.max_seq_len_to_capture,
+                   tensor_parallel_size=kw.get("speculative_draft_tensor_parallel_size") or 1,
+                   pipeline_parallel_size=kw.get("speculative_draft_pipeline_parallel_size") or len(stages or [1]),
+                   num_blocks_per_pp_stage=stages,
+                   paged_attention_block_size=target.paged_attention_block_size, cache_dir=target.cache_dir,
+                   scheduler_config=target.scheduler_config)
     try:
         return LLM(str(req.model) if not isinstance(req.model, str) else req.model,
                    llm_config=kw.get("speculative_model_llm_config"),
@@ -171,12 +208,21 @@ def check_before_build(target, req: SpeculativeRequest) -> None:
                                              max_seq_len_to_capture=limit or target.max_seq_len_to_capture))
 
 
-def _draft_runner(draft):
+def _draft_runner(draft, owned: bool = False):
     """A model runner over the draft's executables with a KV cache and block manager of its own
-    (an LLM draft that has an engine lends its compiled executables; nothing is compiled twice)."""
+    (an LLM draft that has an engine lends its compiled executables; nothing is compiled twice).
+    A draft with rank workers that this target ``owned`` (built for it) lends its engine's runner:
+    the ranks hold its KV cache, and its engine runs nothing else."""
     from runtime.block_manager import BlockManager, PagedKVCache
     from runtime.model_runner import ModelRunner
 
+    if draft.__dict__.get("_workers") is not None:
+        if not owned:
+            raise NotImplementedError(
+                "speculative_model: an LLM with rank workers (tensor/pipeline parallel) as the draft: its ranks hold "
+                "one KV cache, which its own engine uses; pass the draft's path with "
+                "speculative_draft_tensor_parallel_size / speculative_draft_pipeline_parallel_size instead")
+        return draft.engine.runner
     if draft.engine is None:
         from .build import start_engine
 
@@ -212,8 +258,16 @@ def attach(target, req: SpeculativeRequest) -> None:
     target.speculative_llm = draft
     target.num_speculative_tokens = k
     target._speculative_ngram = "[ngram]:%d:%d" % _ngram_sizes(req.model) if req.is_ngram else None  # for artifacts
+    if req.is_parallel_draft:
+        target._owned_draft = draft  # shut down with the target (its rank workers)
     # data-parallel replicas: a speculator each (a draft runner with its own KV cache per replica)
     engines = [] if target.engine is None else list(getattr(target.engine, "replicas", [target.engine]))
+    if req.is_parallel_draft and len(engines) > 1:
+        from .llm import _later
+
+        raise _later(f"a tensor/pipeline-parallel draft with data_parallel_size={len(engines)} (one rank-worker "
+                     "group serves one replica's draft)", "speculative-decoding issue")
     for engine in engines:
-        proposer = NgramProposer(*_ngram_sizes(req.model)) if req.is_ngram else DraftModelProposer(_draft_runner(draft))
+        proposer = NgramProposer(*_ngram_sizes(req.model)) if req.is_ngram else \
+            DraftModelProposer(_draft_runner(draft, owned=req.is_parallel_draft))
         engine.speculator = SpeculativeDecoder(proposer, SpeculativeConfig(k))

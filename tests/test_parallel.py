@@ -235,13 +235,41 @@ def test_dp2_speculation_a_speculator_per_replica(tiny_llama, tp_cache, referenc
         assert all(r.speculator is not None for r in dp.engine.replicas)
 
 
+def test_parallel_drafts_in_rank_workers_of_their_own(tiny_llama, tp_cache, reference):
+    """A tp = 2 draft and a pp = 2 draft (``speculative_draft_*``): the draft's steps run in its own
+    rank workers, every draft is accepted (the same model), the tokens are one process's, and the
+    target's shutdown reaps the draft's workers."""
+    for draft_kw in (dict(speculative_draft_tensor_parallel_size=2),
+                     dict(speculative_draft_num_blocks_per_pp_stage=[1, 1])):
+        with LLM(tiny_llama, speculative_model=tiny_llama, num_speculative_tokens=3, cache_dir=tp_cache,
+                 **draft_kw, **KW) as llm:
+            draft = llm.speculative_llm
+            pids = draft._workers.pids()
+            assert len(pids) == 2 and llm.engine.speculator.proposer.runner is draft.engine.runner
+            got = [o.outputs[0].token_ids for o in llm.generate(None, PARAMS, prompt_token_ids=_prompts())]
+            assert got == reference, draft_kw
+            st = llm.engine.stats
+            assert st.spec_verify_steps > 0 and st.spec_accepted_tokens == st.spec_proposed_tokens > 0
+            blocks = llm.engine.speculator.proposer.blocks
+            blocks.check_invariants()
+            assert blocks.num_free_blocks == blocks.num_usable_blocks
+            if "speculative_draft_tensor_parallel_size" in draft_kw:  # an LLM the user built with workers
+                with pytest.raises(NotImplementedError, match=r"an LLM with rank workers .* as the draft"):
+                    LLM(tiny_llama, speculative_model=draft, num_speculative_tokens=2, cache_dir=tp_cache, **KW)
+        for pid in pids:  # reaped with the target
+            assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z", pid
+    with pytest.raises(NotImplementedError, match=r"tensor/pipeline-parallel draft with data_parallel_size=2"):
+        LLM(tiny_llama, data_parallel_size=2, speculative_model=tiny_llama, num_speculative_tokens=2,
+            speculative_draft_tensor_parallel_size=2, cache_dir=tp_cache, **KW)
+
+
 def test_speculative_combinations_not_built_are_refused_before_any_worker_starts(tiny_llama):
-    with pytest.raises(NotImplementedError, match=r"data-parallel draft \(speculative_draft_tensor_parallel_size=2"):
-        LLM(tiny_llama, tensor_parallel_size=2, speculative_model=tiny_llama, num_speculative_tokens=2,
-            speculative_draft_tensor_parallel_size=2, **KW)
-    with pytest.raises(NotImplementedError, match=r"speculative_draft_num_blocks_per_pp_stage=\[1, 1\]"):
+    with pytest.raises(NotImplementedError, match=r"speculative_draft_data_parallel_size=2 other than the target's"):
         LLM(tiny_llama, speculative_model=tiny_llama, num_speculative_tokens=2,
-            speculative_draft_num_blocks_per_pp_stage=[1, 1], **KW)
+            speculative_draft_data_parallel_size=2, **KW)
+    with pytest.raises(ValueError, match=r"speculative_draft_tensor_parallel_size must be a positive int, got 0"):
+        LLM(tiny_llama, speculative_model=tiny_llama, num_speculative_tokens=2,
+            speculative_draft_tensor_parallel_size=0, **KW)
 
 
 def test_more_stages_than_blocks_and_bad_stage_sizes_name_the_numbers(tiny_llama):
