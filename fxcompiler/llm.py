@@ -463,7 +463,7 @@ class LLM:
         self._prefill_buckets, self._decode_buckets = prefill, decode
         self.paged_attention_block_size = block_size
         engines = [start_parallel_engine(
-            group, logits_rank=logits_rank(self.parallel_plan), kv=KvCachePlan(**r["kv"]), prefill_buckets=prefill,
+            group, logits_rank=logits_rank(self.parallel_plan), micro_batches=self.parallel_plan.pp, kv=KvCachePlan(**r["kv"]), prefill_buckets=prefill,
             decode_buckets=decode, scheduler_config=self.scheduler_config, tokenizer=self.tokenizer,
             eos_token_ids=self._eos, max_context=self.max_seq_len_to_capture)
             for group, r in zip(steps or self._workers.groups, readies)]

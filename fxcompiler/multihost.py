@@ -109,9 +109,9 @@ def start_torchrun(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
              "placements": {"placements": dict((meta or {}).get("placements") or {}),
                             "stages": [(meta or {}).get("stage")]}}
 
-    def step(bucket, arrays, copies):
-        dist.broadcast_object_list([("step", bucket, arrays, copies)], src=0)
-        out = run_step(bucket, arrays, copies)
+    def step(bucket, arrays, copies, micro_batches=1):
+        dist.broadcast_object_list([("step", bucket, arrays, copies, micro_batches)], src=0)
+        out = run_step(bucket, arrays, copies, micro_batches)
         if lr != 0:
             box = [None]
             dist.broadcast_object_list(box, src=lr)

@@ -120,7 +120,7 @@ def load_parallel(cls, path, plan: ParallelPlan, **load_kwargs):
     obj.parallel_stages = readies[0]["placements"]["stages"]
     obj.build_info.update(parallel_plan=plan.to_dict(), comm=readies[0]["comm"])
     engines = [start_parallel_engine(
-        group, logits_rank=logits_rank(plan), kv=KvCachePlan(**r["kv"]), prefill_buckets=obj._prefill_buckets,
+        group, logits_rank=logits_rank(plan), micro_batches=plan.pp, kv=KvCachePlan(**r["kv"]), prefill_buckets=obj._prefill_buckets,
         decode_buckets=obj._decode_buckets, scheduler_config=obj.scheduler_config, tokenizer=obj.tokenizer,
         eos_token_ids=obj._eos, max_context=obj.max_seq_len_to_capture)
         for group, r in zip(obj._workers.groups, readies)]

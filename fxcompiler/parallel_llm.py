@@ -176,7 +176,7 @@ def tp_group(plan: ParallelPlan, rank: int, *, shm: bool) -> tuple[str, Any, str
     return name, pg, comm
 
 
-def start_parallel_engine(workers, *, logits_rank: int = 0, kv, prefill_buckets, decode_buckets, scheduler_config, tokenizer,
+def start_parallel_engine(workers, *, logits_rank: int = 0, micro_batches: int = 1, kv, prefill_buckets, decode_buckets, scheduler_config, tokenizer,
                           eos_token_ids, max_context):
     """The ``LLM`` process's engine: scheduler, block manager and sampler here, steps in the ranks."""
     from runtime.block_manager import BlockManager
@@ -189,21 +189,29 @@ def start_parallel_engine(workers, *, logits_rank: int = 0, kv, prefill_buckets,
     if callable(workers):  # torchrun's rank 0: a step function (fxcompiler/multihost.py)
         from runtime.workers import LocalStepRunner
 
-        runner = LocalStepRunner(workers, blocks)
+        runner = LocalStepRunner(workers, blocks, micro_batches=micro_batches)
     else:
-        runner = ParallelModelRunner(workers, blocks, STEP_TIMEOUT_S, logits_rank=logits_rank)
+        runner = ParallelModelRunner(workers, blocks, STEP_TIMEOUT_S, logits_rank=logits_rank,
+                                     micro_batches=micro_batches)
     return Engine(runner, scheduler, tokenizer, eos_token_ids, max_context)
 
 
 def rank_step_runner(llm):
-    """The step function a rank serves: copy blocks, then run the bucket's executable on the step's arrays."""
+    """The step function a rank serves: copy blocks, then run the bucket's executable on the step's
+    arrays, in ``micro_batches`` micro-batches of rows (every rank cuts the same way, so each
+    stage's sends and receives pair up; the last stage's logits are concatenated in row order)."""
+    from runtime.workers import split_step_arrays
+
     runner = llm.engine.runner
     exes, kv = runner.executables, runner.kv
 
-    def run_step(bucket, arrays, copies):
+    def run_step(bucket, arrays, copies, micro_batches: int = 1):
         kv.copy_blocks(copies)
-        ids, pos, table, slots, seq_lens, logits_idx = (torch.from_numpy(a) for a in arrays)
+        outs = []
         with torch.inference_mode():
-            return exes[bucket](ids, pos, *kv.k, *kv.v, table, slots, seq_lens, logits_idx)
+            for part in split_step_arrays(arrays, micro_batches) if micro_batches > 1 else [arrays]:
+                ids, pos, table, slots, seq_lens, logits_idx = (torch.from_numpy(a) for a in part)
+                outs.append(exes[bucket](ids, pos, *kv.k, *kv.v, table, slots, seq_lens, logits_idx))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     return run_step

@@ -184,9 +184,10 @@ class LocalStepRunner(ModelRunner):
     """:class:`ModelRunner` whose step is a function of ``(bucket, arrays, copies)`` (torchrun's rank 0:
     broadcast to the other ranks, then run its own shard)."""
 
-    def __init__(self, step: Callable, blocks: BlockManager):
+    def __init__(self, step: Callable, blocks: BlockManager, micro_batches: int = 1):
         super().__init__({}, RemoteKVCache(blocks.num_blocks, blocks.block_size), blocks, torch.device("cpu"))
         self.step_fn = step
+        self.micro_batches = micro_batches  # as ParallelModelRunner's
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.kv.copy_blocks(self.blocks.take_pending_copies())
@@ -195,7 +196,7 @@ class LocalStepRunner(ModelRunner):
 
     def run(self, bucket, inputs: tuple) -> torch.Tensor:
         copies, self.kv.pending = self.kv.pending, []
-        return self.step_fn(bucket, [t.numpy() for t in inputs], copies)
+        return self.step_fn(bucket, [t.numpy() for t in inputs], copies, self.micro_batches)
 
 
 class RemoteKVCache:
@@ -213,14 +214,48 @@ class RemoteKVCache:
         self.pending.extend(pairs)
 
 
-class ParallelModelRunner(ModelRunner):
-    """:class:`ModelRunner` whose step runs in the rank workers (inputs broadcast, logits from rank 0)."""
+def micro_batch_rows(num_rows: int, micro_batches: int) -> list[tuple[int, int]]:
+    """``min(micro_batches, num_rows)`` contiguous row ranges of near-equal size covering ``num_rows``."""
+    m = max(1, min(int(micro_batches), num_rows))
+    base, extra = divmod(num_rows, m)
+    bounds, r0 = [], 0
+    for i in range(m):
+        r1 = r0 + base + (i < extra)
+        bounds.append((r0, r1))
+        r0 = r1
+    return bounds
 
-    def __init__(self, workers: WorkerGroup, blocks: BlockManager, step_timeout: float = 600.0, logits_rank: int = 0):
+
+def split_step_arrays(arrays: list[np.ndarray], micro_batches: int) -> list[list[np.ndarray]]:
+    """A step's ``(ids, pos, table, slots, seq_lens, logits_idx)`` cut into micro-batches of whole rows.
+
+    ``logits_idx`` holds flat ``row * T + token`` indices in row order, so each micro-batch keeps the
+    indices of its rows (shifted to its own first row) and the micro-batches' logits, concatenated
+    in order, are the whole step's."""
+    ids, pos, table, slots, seq_lens, logits_idx = arrays
+    T = ids.shape[1]
+    parts = []
+    for r0, r1 in micro_batch_rows(ids.shape[0], micro_batches):
+        keep = (logits_idx >= r0 * T) & (logits_idx < r1 * T)
+        parts.append([ids[r0:r1], pos[r0:r1], table[r0:r1], slots[r0:r1], seq_lens[r0:r1], logits_idx[keep] - r0 * T])
+    return parts
+
+
+class ParallelModelRunner(ModelRunner):
+    """:class:`ModelRunner` whose step runs in the rank workers (inputs broadcast, logits from rank 0).
+
+    ``micro_batches`` (default: the number of pipeline stages) cuts each step into that many
+    micro-batches of rows, which the stages work on one after the other: while stage s + 1 runs
+    micro-batch i, stage s runs i + 1, so the stages overlap instead of waiting for each other.
+    1 runs a step as one batch."""
+
+    def __init__(self, workers: WorkerGroup, blocks: BlockManager, step_timeout: float = 600.0, logits_rank: int = 0,
+                 micro_batches: int = 1):
         super().__init__({}, RemoteKVCache(blocks.num_blocks, blocks.block_size), blocks, torch.device("cpu"))
         self.workers = workers
         self.step_timeout = step_timeout
         self.logits_rank = logits_rank  # TP rank 0 of the last pipeline stage
+        self.micro_batches = micro_batches
 
     def execute(self, batch: ScheduledBatch) -> torch.Tensor:
         self.kv.copy_blocks(self.blocks.take_pending_copies())
@@ -231,7 +266,7 @@ class ParallelModelRunner(ModelRunner):
         """Broadcast the step's arrays (and the pending block copies) to the ranks; the logits come back."""
         copies, self.kv.pending = self.kv.pending, []
         arrays = [t.numpy() for t in inputs]
-        self.workers.send_all(("step", bucket, arrays, copies))
+        self.workers.send_all(("step", bucket, arrays, copies, self.micro_batches))
         msg = self.workers.recv(self.logits_rank, self.step_timeout)
         return torch.from_numpy(msg[1])
 
@@ -249,10 +284,11 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def serve_steps(conn, run_step: Callable[[Any, list[np.ndarray], list], torch.Tensor | None], rank: int,
+def serve_steps(conn, run_step: Callable[..., torch.Tensor | None], rank: int,
                 sends_logits: bool | None = None) -> None:
-    """A worker's loop: run each ``("step", bucket, arrays, copies)``; the logits rank (default rank 0)
-    answers with the logits. Exceptions are reported to the driver as ``("error", text)`` before exiting."""
+    """A worker's loop: run each ``("step", bucket, arrays, copies, micro_batches)``; the logits rank
+    (default rank 0) answers with the logits. Exceptions are reported to the driver as
+    ``("error", text)`` before exiting."""
     sends_logits = rank == 0 if sends_logits is None else sends_logits
     import traceback
 
@@ -266,7 +302,7 @@ def serve_steps(conn, run_step: Callable[[Any, list[np.ndarray], list], torch.Te
         try:
             if msg[0] != "step":
                 raise ValueError(f"unknown message {msg[0]!r}")
-            out = run_step(msg[1], msg[2], msg[3])
+            out = run_step(*msg[1:])
             if sends_logits:
                 conn.send(("logits", out.numpy()))
         except Exception as exc:  # noqa: BLE001 - reported to the driver, which raises it

@@ -11,6 +11,6 @@ workers=${FXCOMPILER_TEST_WORKERS:-2}
 cores=$(nproc 2>/dev/null || echo 1)
 if [ "$cores" -lt "$workers" ]; then workers=$cores; fi
 if [ "$workers" -gt 1 ]; then
-  exec .venv/bin/python -m pytest -q -n "$workers" --dist loadscope "$@"
+  exec .venv/bin/python -m pytest -q -n "$workers" --dist loadscope --durations=30 "$@"
 fi
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q --durations=30 "$@"

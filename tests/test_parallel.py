@@ -175,6 +175,10 @@ def test_pp2_greedy_tokens_equal_one_process_and_stages_hold_their_blocks(tiny_l
         pids = pp._workers.pids()
         got = [o.outputs[0].token_ids for o in pp.generate(None, PARAMS, prompt_token_ids=_prompts())]
         assert got == reference
+        assert pp.engine.runner.micro_batches == 2  # the default: a micro-batch per stage, the stages overlap
+        for m in (1, 3):  # one batch a step; more micro-batches than stages (and than some steps' rows)
+            pp.engine.runner.micro_batches = m
+            assert [o.outputs[0].token_ids for o in pp.generate(None, PARAMS, prompt_token_ids=_prompts())] == reference, m
         assert [st["layers"] for st in pp.parallel_stages] == [[0, 1], [1, 2]]
         assert pp.parallel_plan.to_dict()["pp"] == 2
         # stage 0 holds the embedding, stage 1 the final norm and lm_head; each its own block

@@ -10,7 +10,11 @@ Measurement: a random ``[N, K]`` weight of the given dtype, activations of the s
 (``matmul``: ``x @ W[K, N]`` contiguous, what ``weight_layout`` emits; ``linear``: ``F.linear``).
 Each candidate cycles through copies of its weight (``pool_bytes`` in all, default 64 MiB) so
 that small weights are not timed from L2 alone; calls of the two candidates alternate and the
-25th percentile of each counts (on a shared host a call can lose a scheduler slice). When over
+25th percentile of each counts (on a shared host a call can lose a scheduler slice). A candidate
+more than ``CLEAR_LOSS_RATIO`` times slower on a cold and a warm call (or by seconds on the cold
+one) is decided without rounds, and once ATen lost by that much at some M, a larger M (which
+cannot take it less time) times the kernel only and records ATen's time as that lower bound:
+ATen's bf16 matmul without AVX-512-BF16 took 40 s a call for SmolLM2's lm_head at M = 256. When over
 ``max_stalled`` of the calls stall even on a second try, the timings serve this build but are
 not cached.
 
@@ -40,9 +44,17 @@ from . import _build
 log = logging.getLogger("fxcompiler.autotune")
 
 _DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-# Below this weight streaming rate (both candidates) a timing is a scheduler stall, not a kernel:
-# even ATen's slowest candidate streams > 3 GB/s here (README), a stalled call ~0.1 GB/s.
+# Below both of these rates (the faster candidate's bytes streamed and flops) a timing is a
+# scheduler stall, not a kernel: even ATen's slowest memory-bound candidate streams > 3 GB/s
+# here (README), a stalled call ~0.1 GB/s; a compute-bound call (large M) may stream less than
+# 1 GB/s of weight and still run at tens of GFLOP/s (AVX2: 100+ GFLOP/s at M = 256).
 MIN_PLAUSIBLE_BYTES_PER_S = 1e9
+MIN_PLAUSIBLE_FLOPS = 2e9
+# A candidate this many times slower than the other on its first timed call is decided without
+# the interleaved rounds (ATen's bf16 matmul without AVX-512-BF16 takes ~1 s at M = 256, K = 576,
+# N = 3072 against the kernel's 8 ms: timing it 20 times cost minutes per build).
+CLEAR_LOSS_RATIO = 10.0
+NO_STALL_LASTS_S = 0.5  # a cold call that loses by this much more is decided on its own
 
 
 class LinearAutotuner:
@@ -53,6 +65,7 @@ class LinearAutotuner:
         self.seconds_per_shape = seconds_per_shape
         self.max_stalled = max_stalled
         self._entries: dict[str, dict] | None = None
+        self._unreliable: dict[str, tuple[dict, dict]] = {}  # stalled measurements: this process's nodes only
         self._lock = threading.Lock()
         self.measured = 0  # measurements taken (not read from the cache) by this tuner
 
@@ -83,6 +96,9 @@ class LinearAutotuner:
                                          info={"key": key})
                 except (KeyError, TypeError, ValueError, AttributeError):
                     pass  # malformed entry: measure again
+            if key in self._unreliable:  # another node of the shape: the same build's decision, not re-timed
+                fxc, aten = self._unreliable[key]
+                return LinearTimings(dict(fxc), dict(aten), cached=False, info={"key": key, "unreliable": True})
             fxc, aten, stalled = self._measure(k, n, weight_dtype, baseline, ms)
             self.measured += 1
             info = {"key": key, "stalled": round(stalled, 3)}
@@ -91,6 +107,7 @@ class LinearAutotuner:
                 log.warning("autotune fxc::linear %s: %.0f%% of the calls stalled (busy host); timings not cached",
                             key, 100 * stalled)
                 info["unreliable"] = True
+                self._unreliable[key] = (fxc, aten)
             else:
                 entries[key] = {"fxc": {str(m): t for m, t in fxc.items()}, "aten": {str(m): t for m, t in aten.items()},
                                 "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -130,8 +147,9 @@ class LinearAutotuner:
         w_bytes = w.numel() * w.element_size()
         del w
         fxc_t, aten_t, worst = {}, {}, 0.0
+        floor, floored = 0.0, []  # ATen's slowest time so far: more rows never take it less
         with torch.inference_mode():
-            for m in ms:
+            for m in sorted(ms):
                 x = torch.randn(m, k, generator=gen).to(dtype)
                 if baseline == "matmul":
                     def ref(i, x=x):
@@ -143,16 +161,33 @@ class LinearAutotuner:
                 def fxc(i, x=x):
                     return torch.ops.fxc.linear.default(x, packed[i % copies], None, n)
 
+                if floor:
+                    fxc(0)
+                    est = min(_timed(fxc, 1), _timed(fxc, 2))
+                    if floor > CLEAR_LOSS_RATIO * est:  # ATen loses by far even at a smaller M: not run
+                        fxc_t[m], aten_t[m] = est, floor
+                        floored.append(m)
+                        continue
                 for _attempt in range(2):
                     (fxc_t[m], aten_t[m]), stalled = _bench([fxc, ref], self.seconds_per_shape / len(ms))
                     if stalled <= self.max_stalled:
                         break
-                if w_bytes / min(fxc_t[m], aten_t[m]) < MIN_PLAUSIBLE_BYTES_PER_S:
+                fastest = min(fxc_t[m], aten_t[m])
+                moved = w_bytes + (m * k + m * n) * x.element_size()
+                if moved / fastest < MIN_PLAUSIBLE_BYTES_PER_S and 2 * m * k * n / fastest < MIN_PLAUSIBLE_FLOPS:
                     stalled = 1.0  # every call stalled (e.g. one of the two cores taken): not a measurement
                 worst = max(worst, stalled)
+                floor = max(floor, aten_t[m])
         log.info("autotune fxc::linear K=%d N=%d %s vs %s: %s", k, n, _DTYPES[dtype], baseline,
-                 ", ".join(f"M={m} {fxc_t[m] * 1e6:.1f}/{aten_t[m] * 1e6:.1f} us" for m in ms))
+                 ", ".join(f"M={m} {fxc_t[m] * 1e6:.1f}/{'>=' if m in floored else ''}{aten_t[m] * 1e6:.1f} us"
+                           for m in ms))
         return fxc_t, aten_t, worst
+
+
+def _timed(f, i: int) -> float:
+    t0 = time.perf_counter()
+    f(i)
+    return max(time.perf_counter() - t0, 1e-7)
 
 
 def _bench(fns, budget_s: float) -> tuple[list[float], float]:
@@ -162,11 +197,18 @@ def _bench(fns, budget_s: float) -> tuple[list[float], float]:
 
     A low percentile, not the mean: on a shared host a call can lose a scheduler slice (an
     OpenMP barrier waits for a descheduled thread), and the decision is cached for good."""
+    first = [_timed(f, 0) for f in fns]  # cold calls: warm-up costs only make a candidate look slower
+    slow, fast = first.index(max(first)), first.index(min(first))
+    if first[slow] > CLEAR_LOSS_RATIO * first[fast] + NO_STALL_LASTS_S:  # seconds lost: no scheduler slice
+        return first, 0.0
+    clear = first[slow] > CLEAR_LOSS_RATIO * first[fast]
+    first = [_timed(f, 1) for f in fns]  # warm calls
+    if clear and first[slow] > CLEAR_LOSS_RATIO * first[fast]:  # the slower one lost by far twice: no rounds
+        return first, 0.0
     est = []
-    for f in fns:
-        f(0)
-        best = math.inf
-        for i in range(1, 4):
+    for f, t in zip(fns, first):
+        best = t
+        for i in range(2, 4):
             t0 = time.perf_counter()
             f(i)
             best = min(best, time.perf_counter() - t0)

@@ -72,7 +72,63 @@ def test_stalled_timings_are_not_cached(cache, monkeypatch):
     monkeypatch.setattr(autotune, "_bench", lambda fns, budget: ([1e-5, 2e-5], 0.9))
     r = t.measure(64, 64, torch.float32, "matmul", (1,))
     assert r.info.get("unreliable") and not t.cache_file().exists()
+    monkeypatch.setattr(autotune, "_bench", lambda fns, budget: pytest.fail("re-timed a shape this build measured"))
+    again = t.measure(64, 64, torch.float32, "matmul", (1,))  # the next node of that shape
+    assert again.info.get("unreliable") and (again.fxc, again.aten) == (r.fxc, r.aten) and t.measured == 1
     assert not LinearAutotuner()._load()  # nothing on disk
+
+
+def _sleeper(seconds, calls):
+    import time
+
+    def f(i):
+        calls.append(i)
+        time.sleep(seconds)
+    return f
+
+
+def test_a_clear_loss_is_decided_without_rounds():
+    """A candidate > 10x slower on two calls is not timed 20 more times (ATen's bf16 matmul without
+    AVX-512-BF16 takes ~1 s a call at M = 256); close candidates still get interleaved rounds."""
+    fast, slow = [], []
+    times, stalled = autotune._bench([_sleeper(0.0002, fast), _sleeper(0.3, slow)], budget_s=0.05)
+    assert len(slow) == len(fast) == 2 and stalled == 0.0  # a cold and a warm call each
+    assert times[1] > autotune.CLEAR_LOSS_RATIO * times[0]
+    a, b = [], []
+    times, _ = autotune._bench([_sleeper(0.001, a), _sleeper(0.004, b)], budget_s=0.05)
+    assert len(a) >= 4 + 5 and len(b) == len(a) and times[0] < times[1]  # warm-up and estimate, then rounds
+
+
+def test_aten_is_not_run_at_larger_m_once_it_lost_by_far(cache, monkeypatch):
+    t = LinearAutotuner(seconds_per_shape=0.02)
+    if t.isa() == "aten":
+        pytest.skip("no kernels on this machine")
+    calls, real = [], torch.matmul
+
+    def slow_matmul(*a, **kw):
+        import time
+
+        calls.append(a[0].shape[0])
+        time.sleep(0.05)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(torch, "matmul", slow_matmul)
+    r = t.measure(64, 64, torch.float32, "matmul", (1, 4, 16))
+    assert calls == [1, 1]  # M = 1: a cold and a warm call; M = 4 and 16 are not run
+    assert r.aten[4] == r.aten[16] == r.aten[1] > autotune.CLEAR_LOSS_RATIO * max(r.fxc.values())
+
+
+def test_a_compute_bound_timing_is_not_a_stall(cache, monkeypatch):
+    """M = 256 streams the weight once in ~ms: under 1 GB/s, yet tens of GFLOP/s, a real timing (it is
+    cached), while the same time at M = 1 is a stall."""
+    t = LinearAutotuner(seconds_per_shape=0.02)
+    if t.isa() == "aten":
+        pytest.skip("no kernels on this machine")
+    monkeypatch.setattr(autotune, "_bench", lambda fns, budget: ([8e-3, 2e-2], 0.0))
+    r = t.measure(576, 3072, torch.bfloat16, "matmul", (256,))  # 3.5 MB of weight in 8 ms: 0.44 GB/s, 113 GFLOP/s
+    assert not r.info.get("unreliable") and r.info["key"] in json.loads(t.cache_file().read_text())
+    r = t.measure(576, 3072, torch.bfloat16, "matmul", (1,))  # 3.5 MB in 8 ms at M = 1: a stall
+    assert r.info.get("unreliable")
 
 
 def test_backend_reexports_the_ir_level_ops():
