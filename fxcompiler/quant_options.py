@@ -144,6 +144,14 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
             raise ValueError(f"quantization_group_size={group_size} with W8A8: int8 activations take one weight "
                              "scale per output channel (use -1 or leave it unset)")
         opts["activation"] = "int8"
+        experts = next((getattr(model_config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if getattr(model_config, a, None)), None)
+        if experts:
+            raise NotImplementedError(
+                f"llm_config.quantization_config={quantization_config} on model type "
+                f"{getattr(model_config, 'model_type', '?')!r}: its {experts} MoE experts run inside fxc::moe, which "
+                "has no int8-activation (W8A8) kernel; W8A8 is built for dense decoder layers (weight-only W8A16 / "
+                "W4A16 / Wf8A16 build for this model)")
         if qformat is not None and qformat.metadata.get("algorithm") == "smoothquant":
             opts["smoothquant"] = True
     if keep_gguf_quantization and not check_source:

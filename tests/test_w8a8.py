@@ -462,3 +462,53 @@ def test_smoothquant_qparam_needs_its_factors(tiny_models, tmp_path):
         save_file(t, str(bad / "qparam.safetensors"))
         with pytest.raises(Exception, match=match):
             LLM(str(bad), max_seq_len_to_capture=32, cache_dir=None, skip_engine=True)
+
+
+def test_w8a8_on_a_moe_model_is_refused():
+    """The MoE experts (fxc::moe) have no int8-activation kernel: W8A8 on such a model names the argument."""
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                        num_key_value_heads=1, num_local_experts=4, vocab_size=97)
+    with pytest.raises(NotImplementedError, match=r"llm_config.quantization_config=W8A8\S* on model type 'mixtral': "
+                                                  "its 4 MoE experts run inside fxc::moe"):
+        quantization_options(QuantizationConfig.w_i8_a_i8(), model_config=cfg)
+    assert quantization_options(QuantizationConfig.w_i8_a_16(), model_config=cfg)[0]["weight"] == "int8"
+
+
+# -- accuracy on the embedded SmolLM2-135M -------------------------------------------------------------------------
+PPL_TOKENS = 1024  # held-out tokens scored, one window
+PPL_BOUND = 0.03  # W8A8 with SmoothQuant: perplexity within +3 % of fp32
+
+
+@pytest.mark.slow
+def test_smollm2_w8a8_perplexity_on_held_out_text():
+    """Held-out perplexity (the odd half of pydoc_data.topics, never calibrated on) of the embedded SmolLM2-135M in
+    fp32, W8A8 RTN and W8A8 SmoothQuant (alpha 0.5, 16 calibration windows x 256 tokens of the calibration half),
+    the linears running fxc::linear_w8a8 itself; SmoothQuant within +3 % of fp32 and no worse than RTN."""
+    from fxcompiler.calibration import calibration_samples, calibration_text, held_out_text
+    from fxcompiler.llm import CACHE_DIR
+    from fxcompiler.models.loader import load_tokenizer, model_directory
+    from fxcompiler.models.sources import DEFAULT_MODEL_ID, resolve_model_source
+    from fxcompiler.smoothquant import smooth_model
+    from tests.test_bf16_accuracy import perplexity
+
+    path = model_directory(resolve_model_source(DEFAULT_MODEL_ID), CACHE_DIR)
+    tok = load_tokenizer(path)
+    ids = tok(held_out_text(), add_special_tokens=False)["input_ids"][:PPL_TOKENS]
+    assert len(ids) == PPL_TOKENS
+
+    def ppl(model):
+        with torch.inference_mode():
+            return perplexity(model(torch.tensor([ids])).logits[0].float(), ids)
+
+    fp32 = ppl(_hf(path))
+    rtn = ppl(_w8a8_eager(_hf(path)))
+    model = _hf(path)
+    calib, _ = calibration_samples(calibration_text(), tok, model.config.vocab_size, 16, 256, 0)
+    smooth_model(model, calib, 0.5)
+    sq = ppl(_w8a8_eager(model))
+    print(f"\nSmolLM2-135M held-out perplexity over {PPL_TOKENS} tokens: fp32 {fp32:.4f}, W8A8 RTN {rtn:.4f} "
+          f"({rtn / fp32 - 1:+.2%}), W8A8 SmoothQuant {sq:.4f} ({sq / fp32 - 1:+.2%})")
+    assert sq / fp32 - 1 <= PPL_BOUND
+    assert sq <= rtn * 1.002

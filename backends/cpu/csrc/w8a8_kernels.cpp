@@ -227,6 +227,7 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "fxc::linear_w8a8: packed weight must be contiguous int8 [P, K4, 32, 4] with K4=", K4, ", got ",
               w.sizes());
   const int64_t P = w.size(0);
+  TORCH_CHECK(K <= 133000, "fxc::linear_w8a8: K=", K, " > 133000 (the int32 sums of 127 x 127 products could overflow)");
   TORCH_CHECK(n >= 0 && n <= P * NB, "fxc::linear_w8a8: n=", n, " larger than the packed panels");
   TORCH_CHECK(w_scale.scalar_type() == at::kFloat && w_scale.is_contiguous() && w_scale.dim() == 1 &&
                   w_scale.size(0) == P * NB,
@@ -283,7 +284,9 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
           const float xsr = xs[r0 + r];
           for (int64_t j = 0; j < cols; ++j) {
             int32_t a = acc[r * NB + j];
-            if (offset) a -= 128 * su[p * NB + j];
+            // modulo 2^32 (vpdpbusd wraps too): exact whenever the true sum fits in int32
+            if (offset)
+              a = static_cast<int32_t>(static_cast<uint32_t>(a) - 128u * static_cast<uint32_t>(su[p * NB + j]));
             float v = (static_cast<float>(a) * xsr) * sp[p * NB + j];
             if (!bf.empty()) v += bf[p * NB + j];
             if (out_bf16) ob[base + j] = c10::BFloat16(v);
