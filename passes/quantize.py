@@ -242,6 +242,9 @@ class QuantizePass:
             if a8:
                 if cfg.get("smoothquant"):
                     qparam.smooth_factors([_module_name(n) for n in names], site.k)
+                if codes.numel() and int(codes.min()) < -127:
+                    raise PassError(f"quantize: the qparam's int8 codes of {', '.join(_module_name(n) for n in names)} "
+                                    "include -128; W8A8 (fxc::linear_w8a8) takes codes in [-127, 127]")
                 return "w8a8", self._add(gm, ctx, target, info, **dict(zip(("q", "scales", "sums"),
                                                                            pack_w8a8(codes, scales))))
             if weight == "fp8":
