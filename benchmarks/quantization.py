@@ -14,6 +14,7 @@ Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, m
         # qformat-w4a16-g128-gptq / qformat-w8a16-gptq: `fxcompiler quantize --algorithm gptq`, calibrated on
         # --calib-samples windows of --calib-seq-len tokens of the calibration half
         # [--w-observer minmax|mse] [--gptq-refit] [--gptq-true-sequential]: fxcompiler quantize's options
+        # w8a8 (LLM W8A8, RTN), qformat-w8a8[-gptq|-smoothquant] [--smoothquant-alpha A]: fxc::linear_w8a8
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ from fxcompiler.calibration import split_topics  # noqa: E402  (calibration / he
 SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native-q4_1", "native-q4_1-q8head",
            "wf8a32", "wf8a16",  # fp8 e4m3 weights (fxc::linear_f8), fp32 / bf16 activations
            "qformat-w8a16", "qformat-w4a16-g128", "qformat-fp8",  # qformat-*: a directory written by `fxcompiler quantize`
-           "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq", "qformat-fp8-gptq")  # ...-gptq: with --algorithm gptq
+           "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq", "qformat-fp8-gptq",  # ...-gptq: with --algorithm gptq
+           "w8a8", "qformat-w8a8", "qformat-w8a8-gptq", "qformat-w8a8-smoothquant")  # W8A8: fxc::linear_w8a8
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
            "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
 
@@ -46,7 +48,7 @@ def llm_kwargs(scheme: str) -> dict:
 
     table = {
         "fp32": {}, "bf16": {"auto_bfloat16_cast": True},
-        "w8a32": q("W8A32"), "w8a16": q("W8A16"), "wf8a32": q("Wf8A32"), "wf8a16": q("Wf8A16"),
+        "w8a32": q("W8A32"), "w8a16": q("W8A16"), "w8a8": q("W8A8"), "wf8a32": q("Wf8A32"), "wf8a16": q("Wf8A16"),
         "w4a32-g128": q("W4A32", quantization_group_size=128), "w4a16-g128": q("W4A16", quantization_group_size=128),
         "native-q4_1": {"keep_gguf_quantization": True},
         "native-q4_1-q8head": {"keep_gguf_quantization": True, "quantize_lm_head": True},
@@ -111,6 +113,7 @@ def main() -> None:
                     help="weight observer of the qformat-* schemes (fxcompiler quantize --w-observer)")
     ap.add_argument("--gptq-refit", action="store_true", help="qformat-*-gptq: fxcompiler quantize --gptq-refit")
     ap.add_argument("--gptq-true-sequential", action="store_true", help="qformat-*-gptq: --gptq-true-sequential")
+    ap.add_argument("--smoothquant-alpha", type=float, default=0.5, help="qformat-w8a8-smoothquant: the migration strength")
     ap.add_argument("--dry-run", action="store_true", help="check the arguments and exit (builds nothing)")
     args = ap.parse_args()
     from fxcompiler import LLM, ManualBucketConfig
@@ -132,9 +135,10 @@ def main() -> None:
             from fxcompiler.gptq import GPTQConfig
             from fxcompiler.quantize_model import quantize_model
 
-            scheme = s.removeprefix("qformat-").removesuffix("-gptq")
-            model = str(quantize_model(args.model, os.path.join(tmp.name, s), scheme,
-                                       algorithm="gptq" if s.endswith("-gptq") else "rtn",
+            scheme = s.removeprefix("qformat-").removesuffix("-gptq").removesuffix("-smoothquant")
+            algorithm = "gptq" if s.endswith("-gptq") else "smoothquant" if s.endswith("-smoothquant") else "rtn"
+            extra = {"smoothquant_alpha": args.smoothquant_alpha} if algorithm == "smoothquant" else {}
+            model = str(quantize_model(args.model, os.path.join(tmp.name, s), scheme, algorithm=algorithm, **extra,
                                        num_samples=args.calib_samples, seq_len=args.calib_seq_len, progress=False,
                                        gptq=GPTQConfig(observer=args.w_observer, refit=args.gptq_refit,
                                                        true_sequential=args.gptq_true_sequential),

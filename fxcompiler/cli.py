@@ -349,7 +349,8 @@ def cmd_quantize(args) -> int:
                       args.gptq_true_sequential)
     out = quantize_model(args.model_pos, args.output, args.scheme, algorithm=args.algorithm,
                          calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
-                         seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR, gptq=gptq, observer=args.w_observer)
+                         seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR, gptq=gptq, observer=args.w_observer,
+                         smoothquant_alpha=args.smoothquant_alpha)
     print(f"quantized model: {out} (scheme {args.scheme}, {args.algorithm}); load it with LLM({str(out)!r})")
     return 0
 
@@ -408,8 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="write a quantized model directory (qformat, qparam, recipe) LLM(OUT) loads")
     qz.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
     qz.add_argument("output", metavar="OUT", help="directory to create (must not exist or be empty)")
-    qz.add_argument("--scheme", required=True, help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 | fp8 (= wf8a16; w8a8, wf8af8, kv8: not built)")
-    qz.add_argument("--algorithm", default="rtn", help="rtn | gptq (smoothquant: not built)")
+    qz.add_argument("--scheme", required=True, help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 | fp8 (= wf8a16) | w8a8 (wf8af8, kv8: not built)")
+    qz.add_argument("--algorithm", default="rtn", help="rtn | gptq | smoothquant (w8a8 only)")
+    qz.add_argument("--smoothquant-alpha", type=float, default=0.5,
+                    help="SmoothQuant migration strength in (0, 1]: s = max|X|^a / max|W|^(1-a)")
     qz.add_argument("--gptq-damp", type=float, default=0.01, help="GPTQ damping, a fraction of mean(diag H)")
     qz.add_argument("--gptq-block-size", type=int, default=128, help="GPTQ lazy-update block (columns)")
     qz.add_argument("--gptq-act-order", action="store_true", help="GPTQ columns by decreasing H[i, i] (static groups)")

@@ -95,7 +95,9 @@ class EdfPackage:
 # re-measured). CUDA has no fxc kernels: everything is ATen there.
 # fxc::linear_f8 (fp8 weights, upcast in the kernel) is kept on CPU like linear_w8: its reference would upcast
 # and scale the whole weight on every call.
-EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_f8", "linear_by_m", "paged_attention")}
+# fxc::linear_w8a8 likewise (its reference unpacks the weight and runs an integer matmul on every call).
+EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_by_m",
+                                                  "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).
 # ``cpp.threads=1``: Inductor's own loops (the elementwise/reduction code around the extern
@@ -123,6 +125,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
     lin = importlib.import_module("fxcompiler.ops.linear")
     qlin = importlib.import_module("fxcompiler.ops.quant_linear")
     moe = importlib.import_module("fxcompiler.ops.moe")
+    w8a8 = importlib.import_module("fxcompiler.ops.w8a8_linear")
     ops = torch.ops.fxc
     # The fused q/k/v attention becomes ATen head views + the rope reference (Inductor fuses them
     # with their neighbours) around the attention op, kept or itself rewritten like a lone one.
@@ -136,6 +139,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         ops.linear.default: lin.linear_reference,
         ops.linear_w8.default: lin.linear_w8_reference,
         ops.linear_f8.default: qlin.linear_f8_reference,
+        ops.linear_w8a8.default: w8a8.linear_w8a8_reference,
         ops.linear_by_m.default: lin.linear_by_m_dense,
         ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined
     }

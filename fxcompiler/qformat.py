@@ -159,7 +159,7 @@ def write_qformat(path: str | os.PathLike, config: QuantizationConfig, default: 
     import yaml
 
     meta = {"weight_dtype": config.weight.value, "act_dtype": config.activation.value,
-            "kv_dtype": (config.kv_cache or config.activation).value, **(extra_metadata or {})}
+            "kv_dtype": (config.kv_cache or (config.activation if config.activation.is_float else QDtype.FP32)).value, **(extra_metadata or {})}
     line = " ".join(f"--{k} {v}" for k, v in meta.items())
 
     def scheme(s: ModuleScheme) -> dict:

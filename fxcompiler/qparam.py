@@ -10,8 +10,10 @@ A safetensors file (or an ``.npz`` read with ``allow_pickle=False``) with, per q
   int8 has it), uint8 ``[N, K]`` in [0, 15], or float8_e4m3fn ``[N, K]`` (fp8, no NaN); absent, the
   ``quantize`` pass rounds the checkpoint's float weight onto the given scales.
 
-Smoothing factors (``M.smooth_factor``) belong to W8A8 SmoothQuant, which is not implemented; a
-file carrying them is refused rather than silently ignored. Pickle-based formats (``.pt``, ``.bin``,
+* ``M.smooth_factor`` float32 ``[K]`` (W8A8 SmoothQuant only, :mod:`fxcompiler.smoothquant`): the per-input-channel
+  factor ``s`` the module's weight columns were multiplied by (and its input divided by); the codes and scales
+  are those of the smoothed weight. Checked (shape, positive, finite) and recorded; a file carrying them
+  for a scheme without int8 activations is refused rather than silently ignored. Pickle-based formats (``.pt``, ``.bin``,
 ``.pkl``, or a file starting with a pickle opcode) are refused.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 __all__ = ["SUFFIXES", "QParamSet", "load_qparam", "qparam_digest", "save_qparam"]
 
-SUFFIXES = ("weight_scale", "weight_min", "qweight")
+SUFFIXES = ("weight_scale", "weight_min", "qweight", "smooth_factor")
 _PICKLE_EXT = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 
 
@@ -185,14 +187,32 @@ class QParamSet:
                     torch.cat(scales, 0), None)
         return (torch.cat(codes, 0), torch.cat(scales, 0), None if weight == "int8" else torch.cat(mins, 0))
 
+    def smooth_factors(self, modules: list[str], k: int) -> torch.Tensor:
+        """The shared ``M.smooth_factor`` ``[k]`` of the (fused) ``modules``: present, float, ``[k]``, positive and
+        finite, and equal across modules fused into one matmul (they read one input)."""
+        out = None
+        for m in modules:
+            key = f"{m}.smooth_factor"
+            t = self._get(key, "SmoothQuant factor per input channel; the qformat's algorithm is smoothquant")
+            if not t.is_floating_point() or tuple(t.shape) != (k,):
+                raise _err(self.path, f"tensor {key!r} is {t.dtype} {list(t.shape)}, expected float32 [{k}]")
+            t = t.to(torch.float32)
+            if not bool((torch.isfinite(t) & (t > 0)).all()):
+                raise _err(self.path, f"tensor {key!r} has non-finite or non-positive values")
+            if out is not None and not torch.equal(out, t):
+                raise _err(self.path, f"tensor {key!r} differs from {modules[0]}.smooth_factor; modules fused "
+                                      "into one matmul read one input and need one factor")
+            out = t
+        return out
+
     def check_all_used(self) -> None:
         extra = sorted(set(self.tensors) - self.used)
         if not extra:
             return
         smooth = [e for e in extra if e.endswith(".smooth_factor")]
         if smooth:
-            raise NotImplementedError(f"qparam_path={self.path!r}: {smooth[0]!r} is a SmoothQuant factor; W8A8 "
-                                      "with smoothing is not implemented (weight-only schemes take no smoothing)")
+            raise NotImplementedError(f"qparam_path={self.path!r}: {smooth[0]!r} is a SmoothQuant factor; only W8A8 "
+                                      "(int8 activations, qformat --algorithm smoothquant) takes smoothing factors")
         raise _err(self.path, f"{len(extra)} tensors no quantized module uses, e.g. {extra[0]!r} (a module the "
                               "qformat keeps in float, a misspelt name, or a suffix other than "
                               f"{', '.join(SUFFIXES)})")

@@ -163,8 +163,9 @@ def read_scheme(qc: dict) -> CkptScheme:
         if not isinstance(g, dict) or not isinstance(g.get("weights"), dict):
             raise QuantCheckpointError(f"{_field(where, 'weights')} is missing")
         if g.get("input_activations") or g.get("output_activations"):
-            raise NotImplementedError(f"{_field(where, 'input_activations')}: quantized activations (W8A8) are not "
-                                      "built; only weight-only schemes are read")
+            raise NotImplementedError(f"{_field(where, 'input_activations')}: quantized activations (W8A8) of a "
+                                      "compressed-tensors checkpoint are not read (fxcompiler quantize --scheme w8a8 "
+                                      "writes its own); only weight-only schemes are read")
         w = g["weights"]
         if w.get("type", "int") != "int":
             raise NotImplementedError(f"{_field(where, 'weights.type')}={w.get('type')!r}: only int weights are read")

@@ -14,7 +14,10 @@ never silently casts; see docs/quantization.md):
   per-channel or per-group scales);
 * ``W4A16`` / ``W4A32``: ``fxc::linear_w4`` (asymmetric int4, scale and min per group of 32/64/128);
 * ``Wf8A16`` / ``Wf8A32`` (fp8 e4m3 weights, float activations): ``fxc::linear_f8`` (a scale per
-  output channel, ``amax / 448``). furiosa's ``w_f8_a_f8*`` keep the activations in fp8, which is not built.
+  output channel, ``amax / 448``). furiosa's ``w_f8_a_f8*`` keep the activations in fp8, which is not built;
+* ``W8A8`` (furiosa's ``w_i8_a_i8``, KV cache bf16/fp32 or unset): ``fxc::linear_w8a8`` (int8 weights, a scale
+  per output channel; each matmul's input quantized per token to int8 at run time, int32 dot products);
+  the rest of the model runs in fp32. ``W8A8KV8`` needs the int8 KV cache, refused here.
 """
 from __future__ import annotations
 
@@ -201,9 +204,8 @@ def parse_qformat_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 def supported_reason(config: QuantizationConfig) -> str | None:
     """None when fxcompiler executes ``config``; else why not (the NotImplementedError text)."""
-    if config.activation == QDtype.INT8:
-        return (f"{config}: quantized activations (W8A8) need per-token int8 activation quantization kernels "
-                "(VNNI/AMX) that are not implemented yet; weight-only schemes (W8A16, W4A16, Wf8A16) are")
+    if config.activation == QDtype.INT8 and config.weight != QDtype.INT8:
+        return (f"{config}: int8 activations are built with int8 weights only (W8A8: fxc::linear_w8a8)")
     if config.activation == QDtype.FP8:
         return (f"{config}: fp8 activations need per-token fp8 activation quantization and an fp8 x fp8 matmul "
                 "kernel, which are not implemented yet; fp8 weights with bf16 or fp32 activations (Wf8A16, "

@@ -3,7 +3,8 @@
 * ``llm_config.quantization_config``: ``W16A16`` → the ``auto_bfloat16_cast`` pass; ``W8A16`` /
   ``W8A32`` → int8 weights (per channel, or ``quantization_group_size``) with bf16 / fp32
   activations; ``W4A16`` / ``W4A32`` → int4 weights, group ``quantization_group_size`` (default 128);
-  ``Wf8A16`` / ``Wf8A32`` → fp8 (e4m3) weights with a scale per output channel;
+  ``Wf8A16`` / ``Wf8A32`` → fp8 (e4m3) weights with a scale per output channel; ``W8A8`` → int8 weights per
+  channel with per-token int8 activations (``activation: int8``, ``fxc::linear_w8a8``; fp32 elsewhere);
   everything else raises ``NotImplementedError`` with the reason (:func:`quant_config.supported_reason`).
 * ``keep_gguf_quantization=True`` (a GGUF source, e.g. the embedded default): the checkpoint's
   Q4_0/Q4_1/Q8_0 blocks are used as they are (exact); other tensors stay as transformers
@@ -138,6 +139,21 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
                 raise ValueError(f"quantization_group_size={group_size} with fp8 weights: fxc::linear_f8 has one "
                                  "scale per output channel (use -1 or leave it unset)")
             opts = {"weight": "fp8", "group_size": -1}
+    if opts and quantization_config is not None and quantization_config.activation == QDtype.INT8:
+        if opts.get("group_size", -1) != -1:
+            raise ValueError(f"quantization_group_size={group_size} with W8A8: int8 activations take one weight "
+                             "scale per output channel (use -1 or leave it unset)")
+        opts["activation"] = "int8"
+        experts = next((getattr(model_config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if getattr(model_config, a, None)), None)
+        if experts:
+            raise NotImplementedError(
+                f"llm_config.quantization_config={quantization_config} on model type "
+                f"{getattr(model_config, 'model_type', '?')!r}: its {experts} MoE experts run inside fxc::moe, which "
+                "has no int8-activation (W8A8) kernel; W8A8 is built for dense decoder layers (weight-only W8A16 / "
+                "W4A16 / Wf8A16 build for this model)")
+        if qformat is not None and qformat.metadata.get("algorithm") == "smoothquant":
+            opts["smoothquant"] = True
     if keep_gguf_quantization and not check_source:
         opts.setdefault("weight", "native")
     elif keep_gguf_quantization:
@@ -177,7 +193,7 @@ def _cross_check(fmt: QuantizationConfig, given: QuantizationConfig | None, path
     reason = supported_reason(QuantizationConfig(fmt.weight, fmt.activation, kv))
     if reason is not None:
         raise NotImplementedError(f"qformat_path={path!r}: {reason}")
-    if kv is not None and kv.is_float and kv != QDtype.FP8 and kv != fmt.activation:
+    if kv is not None and kv.is_float and kv != QDtype.FP8 and kv != fmt.activation and fmt.activation.is_float:
         raise ValueError(f"qformat_path={path!r}: --kv_dtype {kv.value} with --act_dtype {fmt.activation.value}: the "
                          "KV cache is kept in the activation dtype (int8/fp8 caches are not implemented)")
     return QuantizationConfig(fmt.weight, fmt.activation, kv, fmt.use_mcp)

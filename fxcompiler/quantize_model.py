@@ -12,7 +12,10 @@ OUT holds the model's own files (config, tokenizer, float safetensors weights) p
 Built: RTN (round to nearest) and GPTQ (:mod:`fxcompiler.gptq`, calibrated on ``--num-samples`` windows of
 ``--seq-len`` tokens of the calibration text) for ``w8a16`` (int8 per channel) and ``w4a16-g{32,64,128}``
 (asymmetric int4 per group), and ``fp8`` (``wf8a16``: e4m3 weights, a scale ``amax / 448`` per channel,
-bf16 activations; GPTQ too). SmoothQuant and the W8A8/Wf8Af8/KV8 schemes raise ``NotImplementedError``.
+bf16 activations; GPTQ too), and ``w8a8`` (int8 weights per channel, per-token int8 activations at run time:
+``fxc::linear_w8a8``) with RTN, GPTQ or ``smoothquant`` (:mod:`fxcompiler.smoothquant`: factors from the
+calibration windows, folded into the RMSNorm and linear weights OUT's safetensors then hold, recorded as
+``M.smooth_factor``; then RTN). The Wf8Af8/KV8 schemes raise ``NotImplementedError``.
 """
 from __future__ import annotations
 
@@ -33,10 +36,9 @@ from .quant_options import QFORMAT_FILE, QPARAM_FILE
 __all__ = ["RECIPE_FILE", "parse_scheme", "quantize_model"]
 
 RECIPE_FILE = "quantization_recipe.json"
-_LATER = {"w8a8": "W8A8 (per-token int8 activation kernels, SmoothQuant)",
-          "fp8-act": "fp8 activations (per-token fp8 activation quantization and an fp8 x fp8 matmul kernel)",
+_LATER = {"fp8-act": "fp8 activations (per-token fp8 activation quantization and an fp8 x fp8 matmul kernel)",
           "kv8": "an int8/fp8 KV cache with scales inside the paged-attention kernels"}
-_BUILT = "w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16)"
+_BUILT = "w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16), w8a8"
 
 
 def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
@@ -46,15 +48,16 @@ def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
         return QuantizationConfig.w_i8_a_16(), ModuleScheme("int8", -1, True)
     if s in ("fp8", "wf8a16"):
         return QuantizationConfig.w_f8_a_16(), ModuleScheme("fp8", -1, True)
-    if s in ("wf8af8", "w8a8"):
-        key = "w8a8" if s == "w8a8" else "fp8-act"
-        raise NotImplementedError(f"--scheme {scheme}: {_LATER[key]} not implemented yet (issue 17); built: {_BUILT}")
+    if s == "w8a8":  # KV cache unset: it stays fp32, like the activations between the matmuls
+        return QuantizationConfig("int8", "int8"), ModuleScheme("int8", -1, True)
+    if s == "wf8af8":
+        raise NotImplementedError(f"--scheme {scheme}: {_LATER['fp8-act']} not implemented yet (issue 17); built: {_BUILT}")
     m = re.fullmatch(r"w4a16-g(32|64|128)", s)
     if m:
         return QuantizationConfig.w_4_a_16(), ModuleScheme("int4", int(m.group(1)), False)
     if s == "kv8":
         raise NotImplementedError(f"--scheme {scheme}: {_LATER[s]} not implemented yet (issue 17); built: {_BUILT}")
-    raise ValueError(f"--scheme must be {_BUILT} (or w8a8, wf8af8, kv8, not built yet), got {scheme!r}")
+    raise ValueError(f"--scheme must be {_BUILT} (or wf8af8, kv8, not built yet), got {scheme!r}")
 
 
 def _linear_modules(config) -> list[str]:
@@ -114,20 +117,24 @@ def _rtn(w: torch.Tensor, scheme: ModuleScheme, observer: str = "minmax") -> dic
 def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm: str = "rtn",
                    calib_data: str | os.PathLike | None = None, num_samples: int = 128, seq_len: int = 512,
                    seed: int = 0, cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                   gptq: "GPTQConfig | None" = None, observer: str = "minmax") -> Path:
+                   gptq: "GPTQConfig | None" = None, observer: str = "minmax", smoothquant_alpha: float = 0.5) -> Path:
     """Quantize ``model`` (id, HF directory or .gguf) into the directory ``out``; returns it
     (``gptq``: GPTQ's damping / block size / act order / observer / refit, defaults 0.01 / 128 / off / minmax /
-    off; ``observer``: the weight observer of RTN, :mod:`fxcompiler.weight_observer`)."""
+    off; ``observer``: the weight observer of RTN, :mod:`fxcompiler.weight_observer`; ``smoothquant_alpha``: the
+    migration strength of ``algorithm="smoothquant"``, in (0, 1])."""
     from .calibration import calibration_text, text_digest
     from .models.loader import load_config, model_directory
     from .models.sources import resolve_model_source
 
     config_q, module_scheme = parse_scheme(scheme)
+    if algorithm not in ("rtn", "gptq", "smoothquant"):
+        raise ValueError(f"--algorithm must be rtn, gptq or smoothquant, got {algorithm!r}")
     if algorithm == "smoothquant":
-        raise NotImplementedError("--algorithm smoothquant is not implemented yet (issue 17: it needs the W8A8 "
-                                  "kernels); built: rtn, gptq")
-    if algorithm not in ("rtn", "gptq"):
-        raise ValueError(f"--algorithm must be rtn or gptq (smoothquant: not built yet), got {algorithm!r}")
+        if config_q.activation.value != "int8":
+            raise ValueError(f"--algorithm smoothquant needs int8 activations (--scheme w8a8), got --scheme {scheme}")
+        from .smoothquant import check_alpha
+
+        smoothquant_alpha = check_alpha(smoothquant_alpha)
     from .gptq import GPTQConfig
 
     from .weight_observer import check_observer
@@ -168,6 +175,14 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
                        "sequential": "decoder layer by decoder layer" + (", then linears fed the same input"
                                                                          if gptq.true_sequential else ""),
                        "hessian_error_vs_rtn_mean": sum(ratios) / len(ratios) if ratios else None}
+    elif algorithm == "smoothquant":
+        tensors, smoothed, how = _smoothquant(model_dir, config, calib_text, modules, module_scheme, num_samples,
+                                              seq_len, seed, smoothquant_alpha, observer)
+        calib["tokenized"] = how
+        algo_record = {"alpha": smoothquant_alpha, "observer": observer, "smoothed_modules": sum(
+            1 for m in modules if not bool(torch.all(tensors[f"{m}.smooth_factor"] == 1))),
+            "folded": "1/s into input_layernorm (q/k/v), post_attention_layernorm (gate/up), v_proj's rows "
+                      "(o_proj, shared per KV head) and up_proj's rows (down_proj)"}
     else:
         bar = _progress(modules, progress)
         for m in bar:
@@ -179,14 +194,18 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
     for f in model_dir.iterdir():
         if f.is_file() and f.name not in (QFORMAT_FILE, QPARAM_FILE, RECIPE_FILE):
             shutil.copy2(f, out / f.name)
+    if algorithm == "smoothquant":
+        _rewrite_weights(out, smoothed)
+    sq_meta = {"smoothquant_alpha": str(smoothquant_alpha)} if algorithm == "smoothquant" else {}
     write_qformat(out / QFORMAT_FILE, config_q, module_scheme, {},
                   {"weight_calib_method": _calib_method(module_scheme, gptq.observer if algorithm == "gptq" else observer),
-                   "algorithm": algorithm, **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
-    save_qparam(out / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm,
+                   "algorithm": algorithm, **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {}), **sq_meta})
+    save_qparam(out / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm, **sq_meta,
                                              **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
     recipe = {"scheme": scheme, "config": str(config_q), "algorithm": algorithm, "seed": seed,
               "module_scheme": module_scheme.to_dict(), "modules": len(modules), "source_model": source.model_id,
-              "calibration": calib, ("gptq" if algorithm == "gptq" else "rtn"): algo_record,
+              "calibration": calib, ("gptq" if algorithm == "gptq" else "smoothquant" if algorithm == "smoothquant"
+                                     else "rtn"): algo_record,
               "qformat_sha256": qparam_digest(out / QFORMAT_FILE), "qparam_sha256": qparam_digest(out / QPARAM_FILE)}
     (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     return out
@@ -218,6 +237,62 @@ def _gptq(model_dir: Path, config, text: str, modules: list[str], scheme: Module
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
     model.eval()
     return gptq_quantize_model(model, samples, modules, scheme, gptq, progress=progress), how
+
+
+def _smoothquant(model_dir: Path, config, text: str, modules: list[str], scheme: ModuleScheme, num_samples: int,
+                 seq_len: int, seed: int, alpha: float, observer: str):
+    """SmoothQuant on the eager fp32 model, then RTN of the smoothed weights: ``(qparam tensors, the float
+    tensors it changed {checkpoint name: tensor}, how the calibration text was tokenized)``."""
+    import warnings
+
+    from transformers import AutoModelForCausalLM
+
+    from .calibration import calibration_samples
+    from .models.loader import load_tokenizer
+    from .smoothquant import smooth_model
+
+    tokenizer = load_tokenizer(model_dir)
+    samples, how = calibration_samples(text, tokenizer, config.vocab_size, num_samples, seq_len, seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
+    model.eval()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    factors = smooth_model(model, samples, alpha)
+    mods = dict(model.named_modules())
+    tensors: dict[str, torch.Tensor] = {}
+    for m in modules:
+        w = mods[m].weight.detach()
+        for suffix, t in _rtn(w, scheme, observer).items():
+            tensors[f"{m}.{suffix}"] = t
+        tensors[f"{m}.smooth_factor"] = factors.get(m, torch.ones(w.shape[1])).contiguous()
+    # the float tensors smoothing changed (norm weights, smoothed columns, v_proj/up_proj rows and biases)
+    changed = {n: p.detach().clone() for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    return tensors, changed, how
+
+
+def _rewrite_weights(out: Path, changed: dict[str, torch.Tensor]) -> None:
+    """Replace ``changed`` tensors in OUT's copied safetensors (dtype kept); every name must be found."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    left = set(changed)
+    for f in sorted(out.glob("*.safetensors")):
+        if f.name == QPARAM_FILE:
+            continue
+        with safe_open(str(f), "pt") as h:
+            meta = h.metadata()
+            names = list(h.keys())
+            hit = [n for n in names if n in changed]
+            if not hit:
+                continue
+            tensors = {n: h.get_tensor(n) for n in names}
+        for n in hit:
+            tensors[n] = changed[n].to(tensors[n].dtype).contiguous()
+            left.discard(n)
+        save_file(tensors, str(f), metadata=meta)
+    if left:
+        raise ValueError(f"SmoothQuant: smoothed tensors not found in the checkpoint, e.g. {sorted(left)[0]!r}")
 
 
 def _progress(items, enabled: bool):

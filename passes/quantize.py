@@ -14,6 +14,11 @@ the compile-cache key), absent or None = nothing to do:
   (asymmetric scale + min per group of ``group_size``, default 128; a shorter last group is allowed);
   ``"fp8"`` → ``fxc::linear_f8`` (e4m3 codes, one scale ``amax / 448`` per output channel);
   ``"native"`` → only the checkpoint's own quantized tensors (``gguf``), everything else kept;
+* ``activation``: ``"int8"`` (W8A8) → the int8 per-channel matmuls become ``fxc::linear_w8a8`` (per-token
+  dynamic int8 activations); an int8 group size, int4 or fp8 with it raises; a GGUF's native Q8_0 blocks stay
+  weight-only. ``smoothquant``: the qparam must carry ``M.smooth_factor`` ``[K]`` for every quantized module
+  (recorded and checked, positive and finite; ``fxcompiler quantize`` has already folded them into the
+  float weights it writes, :mod:`fxcompiler.smoothquant`);
 * ``symmetric`` (int4 only): Q4_0-style codes instead of Q4_1-style;
 * ``lm_head``: also quantize the output projection (the tied embedding's ``lm_head``) to int8 — per
   channel, or the GGUF's own Q8_0 blocks when the embedding is Q8_0, as llama.cpp computes it;
@@ -28,7 +33,7 @@ Ensures: each rewritten matmul (``+ bias``) computes ``x @ dequant(Wq)`` with fp
 order; with RTN the weight error per value is at most half a quantization step (scale/2; fp8: half an e4m3 ulp,
 ``max(|w|/16, scale/1024)``).
 Signature: each rewritten weight ``W`` becomes parameter inputs ``<W>.q``, ``<W>.scales`` (and
-``<W>.mins`` for int4); ``W`` is dropped unless something else reads it (a tied embedding's lookup).
+``<W>.mins`` for int4; W8A8: ``<W>.q``, ``<W>.scales``, ``<W>.sums``); ``W`` is dropped unless something else reads it (a tied embedding's lookup).
 """
 from __future__ import annotations
 
@@ -38,6 +43,7 @@ import torch
 from torch.fx import GraphModule
 
 from fxcompiler.ops.linear import NB, _pad_rows, _panels, quantize_linear_weight_int8
+from fxcompiler.ops.w8a8_linear import pack_w8a8, quantize_w8a8_weight
 from fxcompiler.ops.quant_linear import pack_fp8, pack_int4, quantize_linear_weight_fp8, quantize_linear_weight_int4
 from fxcompiler.pass_manager import CompileContext, PassError, PassResult, register_pass
 from fxcompiler.qparam import QParamSet as _QParams
@@ -134,7 +140,7 @@ class QuantizePass:
             seen.update(_module_name(n) for n in names)
             if target not in packed:
                 scheme = self._scheme(names, rules, default, cfg, matched)
-                packed[target] = self._pack(gm, ctx, site, target, names, scheme, native, qparam, info)
+                packed[target] = self._pack(gm, ctx, site, target, names, scheme, native, qparam, info, cfg)
             op = packed[target]
             if op is None:
                 info["kept"] += 1
@@ -144,6 +150,9 @@ class QuantizePass:
                 if kind == "w4":
                     q, s, m, gs = args
                     new = graph.call_function(torch.ops.fxc.linear_w4.default, (site.x, q, s, m, site.bias, site.n, gs))
+                elif kind == "w8a8":
+                    q, s, su = args
+                    new = graph.call_function(torch.ops.fxc.linear_w8a8.default, (site.x, q, s, su, site.bias, site.n))
                 elif kind == "f8":
                     q, s = args
                     new = graph.call_function(torch.ops.fxc.linear_f8.default, (site.x, q, s, site.bias, site.n))
@@ -194,7 +203,7 @@ class QuantizePass:
                             + ", ".join(_module_name(n) for n in names) + "); give them one scheme")
         return schemes[0]
 
-    def _pack(self, gm, ctx, site, target, names, scheme, native, qparam, info):
+    def _pack(self, gm, ctx, site, target, names, scheme, native, qparam, info, cfg):
         w_kn = ctx.param_of(site.w)
         head = scheme["head"]
         if head and scheme["weight"] == "keep":
@@ -225,10 +234,19 @@ class QuantizePass:
         group = int(scheme.get("group_size", -1))
         if weight == "int4" and group == -1:
             group = site.k  # one group per row
+        a8 = self._w8a8(cfg, weight, group, target)
         if qparam is not None:
             codes, scales, mins = qparam.codes_for([_module_name(n) for n in names], w, weight, group,
                                                    bool(scheme.get("symmetric", weight == "int8")))
             info["from_qparam"] = info.get("from_qparam", 0) + 1
+            if a8:
+                if cfg.get("smoothquant"):
+                    qparam.smooth_factors([_module_name(n) for n in names], site.k)
+                if codes.numel() and int(codes.min()) < -127:
+                    raise PassError(f"quantize: the qparam's int8 codes of {', '.join(_module_name(n) for n in names)} "
+                                    "include -128; W8A8 (fxc::linear_w8a8) takes codes in [-127, 127]")
+                return "w8a8", self._add(gm, ctx, target, info, **dict(zip(("q", "scales", "sums"),
+                                                                           pack_w8a8(codes, scales))))
             if weight == "fp8":
                 q, s = pack_fp8(codes, scales)
                 return "f8", self._add(gm, ctx, target, info, q=q, scales=s)
@@ -249,8 +267,23 @@ class QuantizePass:
         if group > 0 and site.k % group:
             raise PassError(f"quantize: int8 group_size={group} does not divide K={site.k} of {target!r}; use a "
                             "divisor of K or -1 (per channel)")
+        if a8:
+            return "w8a8", self._add(gm, ctx, target, info, **dict(zip(("q", "scales", "sums"),
+                                                                       quantize_w8a8_weight(w))))
         q, s = quantize_linear_weight_int8(w, group)
         return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (group,)
+
+    @staticmethod
+    def _w8a8(cfg: dict, weight: str, group: int, target: str) -> bool:
+        """True when this matmul takes int8 activations (``activation: int8``); raises for a scheme W8A8 lacks."""
+        if cfg.get("activation") != "int8":
+            return False
+        if weight != "int8":
+            raise PassError(f"quantize: int8 activations (W8A8) need int8 weights, {target!r} has {weight}")
+        if group != -1:
+            raise PassError(f"quantize: W8A8 weights have one scale per output channel, {target!r} has "
+                            f"group_size={group}")
+        return True
 
     @staticmethod
     def _add(gm, ctx, target, info, **tensors) -> tuple:

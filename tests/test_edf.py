@@ -98,7 +98,7 @@ def test_edf_packages_call_the_fxc_kernels(built):
     from fxcompiler.edf import EXTERN_OPS, extern_kernel_calls
 
     llm, edf_pipes, _, _ = built
-    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_f8", "linear_by_m", "paged_attention"}
+    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_by_m", "paged_attention"}
     p, e = next((p, e) for p, e in zip(llm.pipelines, edf_pipes) if not p.bucket.is_prefill)
     keys = [k for k, t in p.supertasks.items() if t.data_blob is not None]
     block_calls = None
@@ -144,7 +144,8 @@ def test_edf_extern_ops_policy_and_package_key():
     from fxcompiler import edf
     from fxcompiler.ops.linear import pack_linear_weight
 
-    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_f8", "linear_by_m", "paged_attention")
+    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_by_m",
+                                     "paged_attention")
     assert edf.extern_ops("cuda") == ()
 
     class M(torch.nn.Module):
@@ -196,6 +197,22 @@ def test_edf_extern_ops_policy_and_package_key():
     aten_only = edf.aten_graph_module(gm)
     assert _fxc_calls(aten_only) == []
     torch.testing.assert_close(aten_only(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-5)
+
+    # fxc::linear_w8a8 (W8A8): kept on CPU, or its ATen reference (the same value bit for bit)
+    from fxcompiler.ops.w8a8_linear import quantize_w8a8_weight
+
+    class W8A8(torch.nn.Module):
+        def forward(self, x, q, s, su):
+            return (torch.ops.fxc.linear_w8a8.default(x, q, s, su, None, 8),)
+
+    gm = torch.fx.symbolic_trace(W8A8())
+    args = (torch.randn(3, 8), *quantize_w8a8_weight(torch.randn(8, 8)))
+    for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), args):
+        n.meta["val"] = v
+    assert _fxc_calls(edf.aten_graph_module(gm, edf.extern_ops("cpu"))) == ["linear_w8a8"]
+    aten_only = edf.aten_graph_module(gm)
+    assert _fxc_calls(aten_only) == []
+    assert torch.equal(aten_only(*args)[0], gm(*args)[0])
 
 
 def test_package_key_ignores_symbol_names():

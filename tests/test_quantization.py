@@ -55,7 +55,8 @@ def test_from_qformat_reads_furiosa_metadata_line(tmp_path):
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (QuantizationConfig.w_i8_a_i8(), "quantized activations"),
+    (QuantizationConfig.w_i8_a_i8_kv_i8(), "W8A8KV8: an int8 KV cache needs scales"),
+    (QuantizationConfig("int4", "int8"), "int8 activations are built with int8 weights only"),
     (QuantizationConfig.w_f8_a_f8(), "Wf8Af8KV16: fp8 activations need per-token fp8 activation quantization"),
     (QuantizationConfig.w_f8_a_f8_kv_f8(), "fp8 activations need .*Wf8A16, Wf8A32"),
     (QuantizationConfig("int8", "bf16", "int8"), "KV cache needs scales"),
@@ -300,7 +301,7 @@ def test_quantize_pass_lm_head_option_and_errors():
 # -- LLM arguments (validated before any model is loaded) ------------------------------------------------------
 @pytest.mark.parametrize("kwargs, exc, match", [
     (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_i8_a_i8_kv_i8())), NotImplementedError,
-     "quantized activations"),
+     "an int8 KV cache needs scales"),
     (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_f8_a_f8())), NotImplementedError,
      "fp8 activations need"),
     (dict(quantization_group_size=64, llm_config=LLMConfig(quantization_config=QuantizationConfig.w_f8_a_16())),

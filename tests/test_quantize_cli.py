@@ -24,12 +24,11 @@ def test_pydoc_topics_split_is_deterministic_and_disjoint():
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--scheme", "w8a8"], "W8A8 .* not implemented yet"),
     (["--scheme", "kv8"], "KV cache with scales .* not implemented yet"),
     (["--scheme", "wf8af8"], "fp8 activations .* not implemented yet.*built: .*fp8"),
     (["--scheme", "w4a16-g48"], "--scheme must be w8a16"),
-    (["--scheme", "w8a16", "--algorithm", "smoothquant"], "--algorithm smoothquant is not implemented yet"),
-    (["--scheme", "w8a16", "--algorithm", "awq"], "--algorithm must be rtn or gptq"),
+    (["--scheme", "w8a16", "--algorithm", "smoothquant"], "--algorithm smoothquant needs int8 activations"),
+    (["--scheme", "w8a16", "--algorithm", "awq"], "--algorithm must be rtn, gptq or smoothquant, got .awq."),
 ])
 def test_unbuilt_schemes_are_reported(tmp_path, capsys, argv, match):
     assert main(["quantize", str(tmp_path / "none"), str(tmp_path / "out"), *argv]) == 2

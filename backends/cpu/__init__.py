@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _build, _ops, moe, quant  # noqa: F401  (_ops: the fxc:: operators; quant: fxc::linear_w4, linear_f8; moe: fxc::moe)
+from . import _build, _ops, moe, quant, w8a8  # noqa: F401  (_ops: the fxc:: operators; quant: fxc::linear_w4, linear_f8; w8a8: fxc::linear_w8a8; moe: fxc::moe)
 from ._ops import linear_aten, linear_w8_aten
 from .packing import (
     NB,
