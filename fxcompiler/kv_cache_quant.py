@@ -82,7 +82,7 @@ def quantize_kv_cache(llm, text: str | list[str] | None = None, *, num_tokens: i
     v_amax = torch.zeros_like(k_amax)
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for p in prompts:  # one at a time: the cache is read after each, before its blocks are reused
-        llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)
+        llm.generate(None, params, prompt_token_ids=[p])
         for i, (k, v) in enumerate(zip(kv.k, kv.v)):
             k_amax[i] = torch.maximum(k_amax[i], k[1:kv.num_blocks].abs().amax(dim=(0, 1, 3)).float())
             v_amax[i] = torch.maximum(v_amax[i], v[1:kv.num_blocks].abs().amax(dim=(0, 1, 3)).float())
