@@ -37,13 +37,16 @@ class KvCachePlan:
 
 
 def plan_kv_cache(geometry: ModelGeometry, *, block_size: int, max_context: int, max_decode_batch: int,
-                  max_processing_samples: int, num_blocks: int | None, memory_bytes: int | None) -> KvCachePlan:
+                  max_processing_samples: int, num_blocks: int | None, memory_bytes: int | None,
+                  kv_dtype: torch.dtype | None = None) -> KvCachePlan:
     """Size the paged cache: ``num_blocks`` if given, else what fits ``memory_bytes`` (default 1 GiB),
-    never more than the largest decode batch at full context needs."""
+    never more than the largest decode batch at full context needs. ``kv_dtype`` (default: the model's;
+    ``torch.int8`` for KV8) sets the element size, so an int8 cache gets 4x (fp32) / 2x (bf16) the blocks."""
     from runtime.block_manager import PagedKVCache
 
     g = geometry
-    per_block = PagedKVCache.bytes_per_block(g.num_layers, block_size, g.num_kv_heads, g.head_dim, g.dtype)
+    per_block = PagedKVCache.bytes_per_block(g.num_layers, block_size, g.num_kv_heads, g.head_dim,
+                                             kv_dtype or g.dtype)
     max_blocks_per_seq = -(-max_context // block_size)
     if num_blocks is None:
         budget = DEFAULT_KV_CACHE_BYTES if memory_bytes is None else memory_bytes
@@ -263,7 +266,8 @@ def _build_fx(program: tuple[torch.fx.GraphModule, CompileContext], model_name: 
 
 def start_engine(geometry: ModelGeometry, result: BuildResult, *, prefill_buckets: list[Bucket],
                  decode_buckets: list[Bucket], scheduler_config: SchedulerConfig, kv: KvCachePlan,
-                 device: torch.device, tokenizer, eos_token_ids: frozenset[int], max_context: int):
+                 device: torch.device, tokenizer, eos_token_ids: frozenset[int], max_context: int,
+                 kv_scales=None):
     from backends import get_backend
     from runtime.block_manager import BlockManager, PagedKVCache
     from runtime.engine import Engine
@@ -287,7 +291,8 @@ def start_engine(geometry: ModelGeometry, result: BuildResult, *, prefill_bucket
             compiled[key] = get_backend(kinds.pop(), device.type)(pipe, result.params, device)
         executables[bucket] = compiled[key]
     g = geometry
-    cache = PagedKVCache(g.num_layers, kv.num_blocks, kv.block_size, g.num_kv_heads, g.head_dim, g.dtype, device)
+    cache = PagedKVCache(g.num_layers, kv.num_blocks, kv.block_size, g.num_kv_heads, g.head_dim,
+                         torch.int8 if kv_scales is not None else g.dtype, device, kv_scales=kv_scales)
     blocks = BlockManager(kv.num_blocks, kv.block_size, kv.max_seqs, kv.max_blocks_per_seq)
     scheduler = Scheduler(scheduler_config, blocks, prefill_buckets, decode_buckets)
 

@@ -58,6 +58,7 @@ class EngineArgs:
     paged_attention_block_size: int = 16
     paged_attention_num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"
     comp_supertask_kind: Literal["fx", "dfg", "edf"] | None = None
     auto_bfloat16_cast: bool = False
     tensor_parallel_size: int = 1
@@ -85,6 +86,8 @@ class EngineArgs:
         "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
         "paged_attention_num_blocks": "KV-cache blocks (default: planned from memory)",
         "kv_cache_memory_bytes": "KV-cache memory budget in bytes",
+        "kv_cache_dtype": "auto (the model's dtype; int8 for a directory with kv_cache_scales.json) or int8 "
+                          "(static per-layer per-KV-head scales; docs/quantization.md KV8)",
         "auto_bfloat16_cast": "bf16 weights, compute and KV cache",
         "npu_queue_limit": "engine steps in flight before their outputs are consumed",
         "max_processing_samples": "cap on sequences processed concurrently",
@@ -113,6 +116,9 @@ class EngineArgs:
                      "kv_cache_memory_bytes"):
             _pos_int(name, getattr(self, name), allow_none=True)
         _pos_int("paged_attention_num_blocks", self.paged_attention_num_blocks, allow_none=True, minimum=2)
+        from .kv_cache_quant import parse_kv_cache_dtype
+
+        self.kv_cache_dtype = parse_kv_cache_dtype(self.kv_cache_dtype)
         if self.max_prompt_len is not None and self.max_prompt_len > self.max_seq_len_to_capture:
             raise ValueError(f"max_prompt_len={self.max_prompt_len} exceeds "
                              f"max_seq_len_to_capture={self.max_seq_len_to_capture}")
@@ -167,6 +173,8 @@ class EngineArgs:
             bucket_config=self.bucket_config(), enable_prefix_caching=self.enable_prefix_caching,
             paged_attention_num_blocks=self.paged_attention_num_blocks,
             kv_cache_memory_bytes=self.kv_cache_memory_bytes)
+        if self.kv_cache_dtype != "auto":
+            common["kv_cache_dtype"] = self.kv_cache_dtype
         if self.is_artifact:
             common.update(pipeline_parallel_size=None if self.pipeline_parallel_size == 1
                           else self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size)

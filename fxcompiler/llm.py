@@ -140,6 +140,10 @@ class LLM:
         override_pooler_config = kwargs.pop("override_pooler_config", None)  # embedding models (docs/encoder-tasks.md)
         quantize_lm_head = kwargs.pop("quantize_lm_head", False)
         quantization_group_size = kwargs.pop("quantization_group_size", None)
+        from .kv_cache_quant import parse_kv_cache_dtype
+
+        kv_cache_dtype = parse_kv_cache_dtype(kwargs.pop("kv_cache_dtype", "auto"))  # docs/quantization.md KV8
+        kv_cache_scales = kwargs.pop("kv_cache_scales", None)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
         for hidden in ("optimize_paged_attention_block_loading", "sparse_select_version", "one_supertask_per_device"):
@@ -240,6 +244,35 @@ class LLM:
         if spec_request is not None and kv_cache_sharing_across_beams_config is not None:
             raise ValueError("speculative_model cannot be combined with kv_cache_sharing_across_beams_config: that "
                              "engine serves beam search only, and beam search runs without speculation")
+        if kv_cache_scales is not None and kv_cache_dtype != "int8":
+            raise ValueError("kv_cache_scales is given only with kv_cache_dtype='int8'")
+        if kv_cache_dtype == "auto" and qformat_path is not None and kv_cache_scales is None:
+            from .kv_cache_quant import KV_SCALES_FILE
+
+            scales_file = Path(os.fspath(qformat_path)).parent / KV_SCALES_FILE
+            if scales_file.is_file():  # written by `fxcompiler quantize --scheme ...+kv8`
+                kv_cache_dtype, kv_cache_scales = "int8", scales_file
+        elif kv_cache_dtype == "auto" and kv_cache_scales is None and Path(os.fspath(model)).is_dir():
+            from .kv_cache_quant import KV_SCALES_FILE
+
+            if (Path(os.fspath(model)) / KV_SCALES_FILE).is_file():
+                kv_cache_dtype, kv_cache_scales = "int8", Path(os.fspath(model)) / KV_SCALES_FILE
+        if kv_cache_dtype == "int8":
+            if tensor_parallel_size * pipeline_parallel_size > 1:
+                raise NotImplementedError("kv_cache_dtype='int8' with tensor/pipeline parallelism: the rank workers "
+                                          "would need their shard of the per-KV-head scales and their own "
+                                          "calibration; use kv_cache_dtype='auto'")
+            if data_parallel_size not in (None, 1):
+                raise NotImplementedError("kv_cache_dtype='int8' with data_parallel_size > 1 is not wired (each "
+                                          "replica's cache would need the scales); use kv_cache_dtype='auto'")
+            if kv_cache_sharing_across_beams_config is not None:
+                raise NotImplementedError("kv_cache_dtype='int8' with kv_cache_sharing_across_beams_config is not "
+                                          "tested; use kv_cache_dtype='auto'")
+            if artifacts_export_path is not None and speculative_model is not None:
+                raise NotImplementedError("exporting an artifact of a kv_cache_dtype='int8' target with a draft is "
+                                          "not wired")
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_cache_scales = None
         from .parallel_llm import resolve_plan
 
         self.parallel_plan = None if mppp is not None else resolve_plan(
@@ -388,13 +421,26 @@ class LLM:
         self.build_info["build_cache"] = self._build.build_cache
         self.pipelines = self._build.pipelines
         self.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in self.pipelines]
-        self.kv_cache_plan = plan_kv_cache(
-            self.geometry, block_size=paged_attention_block_size, max_context=self.max_seq_len_to_capture,
-            max_decode_batch=max(b.batch_size for b in decode), max_processing_samples=scheduler_config.max_processing_samples,
-            num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes)
+        plan_args = dict(block_size=paged_attention_block_size, max_context=self.max_seq_len_to_capture,
+                         max_decode_batch=max(b.batch_size for b in decode),
+                         max_processing_samples=scheduler_config.max_processing_samples,
+                         num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes)
+        self.kv_cache_plan = plan_kv_cache(self.geometry, **plan_args)
         self._eos = self._eos_token_ids()
         self._prefill_buckets, self._decode_buckets = prefill, decode
         self.paged_attention_block_size = paged_attention_block_size
+        if kv_cache_dtype == "int8":
+            from .kv_cache_quant import check_kv_scales
+
+            if kv_cache_scales is None:  # the documented default: calibrate on the built-in pydoc_data sample
+                if skip_engine:
+                    raise ValueError("kv_cache_dtype='int8' with skip_engine=True needs kv_cache_scales (the "
+                                     "built-in calibration runs the engine)")
+                self.kv_cache_scales = self._calibrate_kv_cache(enable_prefix_caching)
+            else:
+                g = self.geometry
+                self.kv_cache_scales = check_kv_scales(kv_cache_scales, g.num_layers, g.num_kv_heads)
+            self.kv_cache_plan = plan_kv_cache(self.geometry, **plan_args, kv_dtype=torch.int8)
         if artifacts_export_path is not None and spec_request is None:
             self._export_artifact(artifacts_export_path, param_saved_format)
         self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
@@ -487,6 +533,9 @@ class LLM:
             "quantization": getattr(self, "quantization", None),
             "passes_override": getattr(self, "_passes_override", None),
         }
+        if self.__dict__.get("kv_cache_scales") is not None:  # KV8: the static scales travel with the artifact
+            k, v = self.kv_cache_scales
+            settings["kv_cache"] = {"dtype": "int8", "k_scale": k.tolist(), "v_scale": v.tolist()}
         from .parallel_artifacts import plan_settings
 
         settings.update(plan_settings(self.__dict__.get("_mppp")))  # the parallel plan (a rank's shard: its rank)
@@ -496,6 +545,17 @@ class LLM:
                                     source_graphs=getattr(self._build, "source_graphs", {}))
         return export_artifact(contents, path, param_saved_format=param_saved_format,
                                extra=export_hook(self, param_saved_format) if speculative else None)
+
+    def _calibrate_kv_cache(self, enable_prefix_caching: bool):
+        """KV8 scales from the built-in calibration sample, with a float-cache engine started for it."""
+        from .kv_cache_quant import quantize_kv_cache
+
+        self._start(False, enable_prefix_caching, None)
+        try:
+            return quantize_kv_cache(self)
+        finally:  # the float engine goes; _start then builds the int8 one
+            self._driver.close()
+            self._driver, self.engine = None, None
 
     def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config) -> None:
         """Start the engine over the built pipelines (unless ``skip_engine``) and its driver thread."""
@@ -508,7 +568,8 @@ class LLM:
                 self.geometry, self._build, prefill_buckets=self._prefill_buckets,
                 decode_buckets=self._decode_buckets, scheduler_config=self.scheduler_config, kv=self.kv_cache_plan,
                 device=self._device, tokenizer=self.tokenizer, eos_token_ids=self._eos,
-                max_context=self.max_seq_len_to_capture) for _ in range(plan.dp if plan is not None else 1)])
+                max_context=self.max_seq_len_to_capture, kv_scales=self.__dict__.get("kv_cache_scales"))
+                for _ in range(plan.dp if plan is not None else 1)])
             self.engine.configure(enable_prefix_caching=enable_prefix_caching,
                                   prefill_chunk_size=self.prefill_chunk_size,
                                   kv_cache_sharing_across_beams=kv_cache_sharing_across_beams_config)
@@ -911,6 +972,10 @@ class LLM:
         kv_cache_memory_bytes = kwargs.pop("kv_cache_memory_bytes", None)
         paged_attention_num_blocks = kwargs.pop("paged_attention_num_blocks", paged_attention_num_blocks)
         enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)
+        from .kv_cache_quant import parse_kv_cache_dtype
+
+        kv_cache_dtype = kwargs.pop("kv_cache_dtype", None)  # None: as the artifact was built
+        kv_cache_dtype = None if kv_cache_dtype is None else parse_kv_cache_dtype(kv_cache_dtype)
         rank_of_plan = kwargs.pop("_rank_of_plan", False)  # a rank worker loading its shard
         tensor_parallel_size = kwargs.pop("tensor_parallel_size", None)
         draft = kwargs.pop("_speculative", None)  # a speculative_artifacts.DraftLoad
@@ -1007,11 +1072,23 @@ class LLM:
         obj._build = BuildResult(contents.pipelines, None, context)
         obj.pipelines = contents.pipelines
         obj.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in obj.pipelines]
+        kv8 = st.get("kv_cache")  # KV8 artifacts carry their static scales
+        obj.kv_cache_scales, obj.kv_cache_dtype = None, "auto"
+        if kv_cache_dtype == "int8" and kv8 is None:
+            raise ValueError(f"kv_cache_dtype='int8': the artifact {os.fspath(path)!r} was built without KV8 scales "
+                             "(build it with kv_cache_dtype='int8')")
+        if kv8 is not None and kv_cache_dtype != "auto":
+            from .kv_cache_quant import check_kv_scales
+
+            obj.kv_cache_scales = check_kv_scales(kv8, obj.geometry.num_layers, obj.geometry.num_kv_heads,
+                                                  "artifact settings.kv_cache")
+            obj.kv_cache_dtype = "int8"
         obj.kv_cache_plan = plan_kv_cache(
             obj.geometry, block_size=st["block_size"], max_context=obj.max_seq_len_to_capture,
             max_decode_batch=max(b.batch_size for b in decode),
             max_processing_samples=scheduler_config.max_processing_samples,
-            num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes)
+            num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes,
+            kv_dtype=torch.int8 if obj.kv_cache_scales is not None else None)
         obj._eos = frozenset(st["eos_token_ids"]) if "eos_token_ids" in st else obj._eos_token_ids()
         obj._prefill_buckets, obj._decode_buckets = prefill, decode
         obj.build_info = {"compile_cache": "artifact", "artifact": os.fspath(path), "export_seconds": 0.0}

@@ -40,10 +40,21 @@ def _lazy_zeros(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class PagedKVCache:
-    """The cache tensors themselves, one buffer for all layers (zeroed, resident as used)."""
+    """The cache tensors themselves, one buffer for all layers (zeroed, resident as used).
+
+    ``kv_scales=(k_scales, v_scales)``, each ``[num_layers, num_kv_heads]`` float32, with
+    ``dtype=torch.int8``: the int8 KV cache (KV8). Each layer's tensors get one extra block at the end,
+    the *scale block* holding that layer's scales (``fxcompiler.ops.paged_attention.kv8_scales``); the
+    block manager never hands it out (it sees ``num_blocks``)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
+                 dtype: torch.dtype, device: torch.device, kv_scales=None):
+        if (dtype == torch.int8) != (kv_scales is not None):
+            raise ValueError("an int8 KV cache needs kv_scales (k_scales, v_scales), and only an int8 one takes them")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype = dtype
+        if kv_scales is not None:
+            num_blocks += 1  # the scale block
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         per = num_blocks * block_size * num_kv_heads * head_dim
         if torch.device(device).type == "cpu":
@@ -53,7 +64,16 @@ class PagedKVCache:
         self._views = buf.view(2, num_layers, *shape)
         self.k = list(self._views[0].unbind(0))
         self.v = list(self._views[1].unbind(0))
-        self.num_blocks, self.block_size = num_blocks, block_size
+        if kv_scales is not None:
+            from fxcompiler.ops.paged_attention import kv8_set_scales
+
+            ks, vs = (torch.as_tensor(x, dtype=torch.float32) for x in kv_scales)
+            if tuple(ks.shape) != (num_layers, num_kv_heads) or tuple(vs.shape) != (num_layers, num_kv_heads):
+                raise ValueError(f"kv_scales must be two [num_layers={num_layers}, num_kv_heads={num_kv_heads}] "
+                                 f"tensors, got {tuple(ks.shape)} and {tuple(vs.shape)}")
+            for i in range(num_layers):
+                kv8_set_scales(self.k[i], ks[i])
+                kv8_set_scales(self.v[i], vs[i])
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer's K and V (copy-on-write)."""
@@ -67,6 +87,7 @@ class PagedKVCache:
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
+        """Bytes of one block over all layers' K and V at ``dtype``'s element size (int8: 1)."""
         return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 

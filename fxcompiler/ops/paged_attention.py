@@ -27,7 +27,45 @@ import torch
 from . import fused  # noqa: F401  (fxc::rope, which qkv_paged_attention applies)
 
 __all__ = ["paged_attention", "paged_attention_reference", "qkv_paged_attention",
-           "qkv_paged_attention_reference", "split_qkv_heads"]
+           "qkv_paged_attention_reference", "split_qkv_heads", "kv8_scales", "kv8_set_scales", "kv8_quantize",
+           "KV8_QMAX"]
+
+# -- int8 KV cache ("KV8") ------------------------------------------------------------------------------
+# An int8 cache tensor ``[num_blocks, block_size, kv_heads, head_dim]`` holds codes q in [-127, 127]
+# (x ~ q * scale) and, in its *last block* (the scale block, never handed out by the block manager),
+# the layer's float32 scales: the first 4 * kv_heads bytes are ``scale[kv_heads]``. A cache tensor
+# therefore describes itself: every kernel that gets it (ATen reference, C++ decode kernel, qkv
+# fusion, copies for copy-on-write) needs no extra argument, and the graph is the float model's.
+KV8_QMAX = 127
+
+
+def kv8_scales(cache: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[kv_heads]`` scales stored in an int8 cache's last block (a copy)."""
+    hkv = cache.shape[2]
+    raw = cache[-1].reshape(-1)[: 4 * hkv].clone()  # clone: an aligned buffer for the float view
+    return raw.view(torch.float32)
+
+
+def kv8_set_scales(cache: torch.Tensor, scales) -> None:
+    """Store ``scales[kv_heads]`` (positive, finite) in an int8 cache's last block."""
+    s = torch.as_tensor(scales, dtype=torch.float32).reshape(-1).contiguous()
+    hkv = cache.shape[2]
+    if s.numel() != hkv:
+        raise ValueError(f"kv cache scales: expected {hkv} (one per KV head), got {s.numel()}")
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise ValueError(f"kv cache scales must be finite and > 0, got {s.tolist()}")
+    if cache[-1].numel() < 4 * hkv:
+        raise ValueError("kv cache block too small to hold its scales")
+    cache[-1].reshape(-1)[: 4 * hkv].copy_(s.view(torch.int8).to(cache.device))
+
+
+def kv8_quantize(x: torch.Tensor, scales: torch.Tensor, head_dim_axis: int = -3) -> torch.Tensor:
+    """int8 codes of ``x`` whose axis ``head_dim_axis`` is the KV head: ``clamp(round(x / s), -127, 127)``
+    in float32 (round half to even, as the C++ kernel's ``nearbyint``)."""
+    shape = [1] * x.dim()
+    shape[head_dim_axis] = -1
+    q = torch.round(x.to(torch.float32) / scales.to(x.device).view(shape))
+    return q.clamp_(-KV8_QMAX, KV8_QMAX).to(torch.int8)
 
 
 def paged_attention_reference(
@@ -56,6 +94,9 @@ def write_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
     B, Hkv, S, D = key.shape
     nb, bs = k_cache.shape[0], k_cache.shape[1]
     slots = slot_mapping.reshape(-1)
+    if k_cache.dtype == torch.int8:  # KV8: codes with the scales of the cache's scale block
+        key = kv8_quantize(key, kv8_scales(k_cache), 1)
+        value = kv8_quantize(value, kv8_scales(v_cache), 1)
     k_cache.view(nb * bs, Hkv, D).index_copy_(0, slots, key.transpose(1, 2).reshape(B * S, Hkv, D).to(k_cache.dtype))
     v_cache.view(nb * bs, Hkv, D).index_copy_(0, slots, value.transpose(1, 2).reshape(B * S, Hkv, D).to(v_cache.dtype))
 
@@ -75,7 +116,10 @@ def attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, 
     # [B, MB*bs, Hkv, D] viewed as [B, Hkv, L, D] (strided; SDPA reads it in place)
     k_ctx = k_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).transpose(1, 2)
     v_ctx = v_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).transpose(1, 2)
-    if k_ctx.dtype != query.dtype:
+    if k_cache.dtype == torch.int8:  # KV8: dequantized (codes x per-head scale) in the query's dtype
+        k_ctx = (k_ctx.to(torch.float32) * kv8_scales(k_cache).view(1, Hkv, 1, 1)).to(query.dtype)
+        v_ctx = (v_ctx.to(torch.float32) * kv8_scales(v_cache).view(1, Hkv, 1, 1)).to(query.dtype)
+    elif k_ctx.dtype != query.dtype:
         k_ctx = k_ctx.to(query.dtype)
         v_ctx = v_ctx.to(query.dtype)
     j = torch.arange(L, device=query.device)

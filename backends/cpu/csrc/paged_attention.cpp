@@ -7,6 +7,10 @@
 // GQA: query head h reads KV head h / (Hq / Hkv); K/V are never repeated.
 // fp32 and bf16 caches with head_dim 16/32/64/128 take the AVX-512 path (bf16 converted to
 // fp32 exactly in registers, fp32 accumulation); other cases a portable loop of the same shape.
+// int8 caches (KV8): codes q with a float32 scale per KV head stored in the cache's last block
+// (fxcompiler/ops/paged_attention.py); the write quantizes (nearbyint(x / s), clamped to +-127), the
+// attention converts codes to fp32 in registers (exact) and applies the scales outside the inner
+// loops: k_scale is folded into the pre-scaled query row, v_scale into the final normalisation.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -39,6 +43,51 @@ namespace {
 
 using fxc::Acc;
 using fxc::exp_row;
+
+// The float32 scales [Hkv] of an int8 cache (its last block's first 4 * Hkv bytes).
+std::vector<float> kv8_scales(const torch::Tensor& cache) {
+  const int64_t nb = cache.size(0), Hkv = cache.size(2);
+  const int64_t block = cache.size(1) * Hkv * cache.size(3);
+  TORCH_CHECK(block >= 4 * Hkv, "fxc::paged_attention: int8 cache blocks too small for their scales");
+  std::vector<float> s(Hkv);
+  std::memcpy(s.data(), cache.data_ptr<int8_t>() + (nb - 1) * block, 4 * Hkv);
+  return s;
+}
+
+template <typename scalar_t>
+void write_cache_q8(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
+                    torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+  const int64_t B = key.size(0), Hkv = key.size(1), S = key.size(2), D = key.size(3);
+  const std::vector<float> ksc = kv8_scales(k_cache), vsc = kv8_scales(v_cache);
+  auto sm = slot_mapping.accessor<int64_t, 2>();
+  int8_t* kc = k_cache.data_ptr<int8_t>();
+  int8_t* vc = v_cache.data_ptr<int8_t>();
+  const scalar_t* kp = key.data_ptr<scalar_t>();
+  const scalar_t* vp = value.data_ptr<scalar_t>();
+  const int64_t row = Hkv * D;
+  const auto ks = key.strides(), vs = value.strides();
+  auto q8 = [](float x, float s) {
+    const float q = std::nearbyint(x / s);
+    return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  };
+  at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t b = i / S, s = i % S;
+      const int64_t slot = sm[b][s];
+      for (int64_t h = 0; h < Hkv; ++h) {
+        int8_t* kd = kc + slot * row + h * D;
+        int8_t* vd = vc + slot * row + h * D;
+        const scalar_t* kr = kp + b * ks[0] + h * ks[1] + s * ks[2];
+        const scalar_t* vr = vp + b * vs[0] + h * vs[1] + s * vs[2];
+        const float kh = ksc[h], vh = vsc[h];
+        for (int64_t d = 0; d < D; ++d) {
+          kd[d] = q8(static_cast<float>(kr[d * ks[3]]), kh);
+          vd[d] = q8(static_cast<float>(vr[d * vs[3]]), vh);
+        }
+      }
+    }
+  });
+}
 
 template <typename scalar_t>
 void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
@@ -172,6 +221,9 @@ void piece_generic(const Geo<scalar_t>& g, const acc_t* q, const int64_t* row_bl
 
 #ifdef __AVX512F__
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const int8_t* p) {  // int8 codes -> fp32 (exact)
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up by 16
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -302,16 +354,21 @@ void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, in
 
 constexpr int64_t kMinShareTokens = 64;  // shortest context share worth a thread of its own
 
-template <typename scalar_t>
+// scalar_t: query/output dtype; cache_t: the cache's (scalar_t, or int8_t with kscale/vscale [Hkv]).
+template <typename scalar_t, typename cache_t = scalar_t>
 void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
             const torch::Tensor& block_table, const torch::Tensor& query_pos, const torch::Tensor& seq_lens,
-            double scale, int64_t window, double softcap, const double* sinks, torch::Tensor& out) {
+            double scale, int64_t window, double softcap, const double* sinks, torch::Tensor& out,
+            const float* kscale = nullptr, const float* vscale = nullptr) {
   using acc_t = typename Acc<scalar_t>::type;
   const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t MB = block_table.size(1);
-  const Geo<scalar_t> geo{k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(), bs, Hkv, Hq / Hkv, D,
+  const Geo<cache_t> geo{k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(), bs, Hkv, Hq / Hkv, D,
                           bs * Hkv * D, Hkv * D, softcap};
+  const int64_t G = Hq / Hkv;
+  auto kmul = [&](int64_t hq) { return kscale ? static_cast<acc_t>(kscale[hq / G]) : acc_t(1); };
+  auto vmul = [&](int64_t hq) { return vscale ? static_cast<acc_t>(vscale[hq / G]) : acc_t(1); };
   const scalar_t* qbase = query.data_ptr<scalar_t>();
   const auto qst = query.strides();
   auto qp = query_pos.accessor<int64_t, 2>();
@@ -390,18 +447,20 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
         for (int64_t hq = 0; hq < Hq; ++hq) {
           const scalar_t* qh = qbase + b * qst[0] + hq * qst[1] + s * qst[2];
           acc_t* qd = q + hq * D;
+          const acc_t sch = kscale ? sc * kmul(hq) : sc;
           if (qst[3] == 1) {
 #pragma omp simd
-            for (int64_t d = 0; d < D; ++d) qd[d] = static_cast<acc_t>(qh[d]) * sc;
+            for (int64_t d = 0; d < D; ++d) qd[d] = static_cast<acc_t>(qh[d]) * sch;
           } else {
-            for (int64_t d = 0; d < D; ++d) qd[d] = static_cast<acc_t>(qh[d * qst[3]]) * sc;
+            for (int64_t d = 0; d < D; ++d) qd[d] = static_cast<acc_t>(qh[d * qst[3]]) * sch;
           }
         }
         acc_t* pacc = p.slot >= 0 ? part_acc.data() + p.slot * Hq * D : acc;
         acc_t* pm = p.slot >= 0 ? part_ml.data() + p.slot * Hq * 2 : ml;
         bool done = false;
 #ifdef __AVX512F__
-        if constexpr (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) {
+        if constexpr ((std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) &&
+                      (std::is_same_v<cache_t, scalar_t> || std::is_same_v<cache_t, int8_t>)) {
           const int64_t* nxb = nullptr;
           int64_t nxn = 0;
           if (pi + 1 < pieces.size()) {
@@ -411,21 +470,21 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
           }
           done = true;
           switch (D) {
-            case 16: piece_avx512<scalar_t, 1>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
-            case 32: piece_avx512<scalar_t, 2>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
-            case 64: piece_avx512<scalar_t, 4>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
-            case 128: piece_avx512<scalar_t, 8>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
+            case 16: piece_avx512<cache_t, 1>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
+            case 32: piece_avx512<cache_t, 2>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
+            case 64: piece_avx512<cache_t, 4>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
+            case 128: piece_avx512<cache_t, 8>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc, nxb, nxn); break;
             default: done = false;
           }
         }
 #endif
-        if (!done) piece_generic<scalar_t, acc_t>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc);
+        if (!done) piece_generic<cache_t, acc_t>(geo, q, row_blocks, p.a, p.e, scores, pm, pm + Hq, pacc);
         if (p.slot < 0) {
           scalar_t* dst = o + p.row * Hq * D;
           for (int64_t hq = 0; hq < Hq; ++hq) {
             // a sink joins the softmax's denominator only: exp(sink - max) beside the row's sum
             const acc_t sink = sinks ? static_cast<acc_t>(std::exp(sinks[hq] - static_cast<double>(pm[hq]))) : acc_t(0);
-            const acc_t inv = acc_t(1) / (pm[Hq + hq] + sink);
+            const acc_t inv = vmul(hq) / (pm[Hq + hq] + sink);
 #pragma omp simd
             for (int64_t d = 0; d < D; ++d) dst[hq * D + d] = static_cast<scalar_t>(pacc[hq * D + d] * inv);
           }
@@ -458,7 +517,7 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
           for (int64_t d = 0; d < D; ++d) accum[d] += w * pa[d];
         }
         if (sinks) denom += static_cast<acc_t>(std::exp(sinks[hq] - static_cast<double>(mx)));
-        const acc_t inv = acc_t(1) / denom;
+        const acc_t inv = vmul(hq) / denom;
         for (int64_t d = 0; d < D; ++d) dst[hq * D + d] = static_cast<scalar_t>(accum[d] * inv);
       }
     }
@@ -585,6 +644,49 @@ torch::Tensor paged_attention_sdpa(torch::Tensor query, torch::Tensor key, torch
                      sinks);
 }
 
+// int8 caches (KV8): the quantizing cache write, then the decode kernel for every call (any number of query
+// tokens: its rows are (sequence, token) pairs).  The flash kernel has no int8 tiles yet, so multi-token
+// int8 calls (prefill) are slower than with a float cache; decode, the common case, reads a quarter
+// (fp32) or half (bf16) of the bytes.
+torch::Tensor paged_attention_q8(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+                                 torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
+                                 torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
+                                 double softcap, const std::optional<torch::Tensor>& sinks) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "fxc::paged_attention: caches must be contiguous");
+  TORCH_CHECK(v_cache.scalar_type() == at::kChar, "fxc::paged_attention: k_cache is int8, v_cache is not");
+  TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
+              "fxc::paged_attention (int8 cache): query/key/value dtypes must match");
+  block_table = block_table.contiguous();
+  slot_mapping = slot_mapping.contiguous();
+  query_pos = query_pos.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
+  auto out = torch::empty({B, S, Hq, D}, query.options());
+  torch::Tensor sinks64;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->numel() == Hq, "fxc::paged_attention: sinks must have one value per query head (", Hq,
+                "), got ", sinks->sizes());
+    sinks64 = sinks->to(torch::kDouble).contiguous();
+  }
+  const double* sink_ptr = sinks.has_value() ? sinks64.data_ptr<double>() : nullptr;
+  const std::vector<float> ks = kv8_scales(k_cache), vs = kv8_scales(v_cache);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "fxc_paged_attention_q8", [&] {
+    write_cache_q8<scalar_t>(key, value, k_cache, v_cache, slot_mapping);
+    attend<scalar_t, int8_t>(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
+                             softcap, sink_ptr, out, ks.data(), vs.data());
+  });
+  return out;
+}
+
+void write_cache_q8_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                        torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kChar &&
+              v_cache.scalar_type() == at::kChar, "fxc write_cache_q8: caches must be contiguous int8");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "fxc_write_cache_q8", [&] {
+    write_cache_q8<scalar_t>(key, value, k_cache, v_cache, slot_mapping.contiguous());
+  });
+}
+
 // The CPU implementation of fxc::paged_attention (query, key and cache of one dtype): the flash kernel for
 // calls of several query tokens per sequence with at least g_flash_min_rows query rows per KV head (verify
 // steps, chunked prefill, prefill), the decode kernel otherwise.  Mixed dtypes: the cache write in C++ and
@@ -593,6 +695,9 @@ torch::Tensor paged_attention_op(torch::Tensor query, torch::Tensor key, torch::
                                  torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
                                  torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
                                  double softcap, const std::optional<torch::Tensor>& sinks = std::nullopt) {
+  if (k_cache.scalar_type() == at::kChar)
+    return paged_attention_q8(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
+                              scale, sliding_window, softcap, sinks);
   if (query.scalar_type() == k_cache.scalar_type() && key.scalar_type() == k_cache.scalar_type() &&
       value.scalar_type() == k_cache.scalar_type()) {
     const int64_t S = query.size(2), G = query.size(1) / std::max<int64_t>(1, k_cache.size(2));
@@ -686,6 +791,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "streams (0 none, 1 V during K, 2 also the next piece's K during V) (measurements)",
         py::arg("mode"), py::arg("dist"), py::arg("l2_streams") = 2);
   m.def("qkv_paged_attention", &qkv_paged_attention_op, "fxc::qkv_paged_attention on CPU");
+  m.def("write_cache_q8", &write_cache_q8_cpu, "quantize K/V rows [B, Hkv, S, D] into int8 cache slots [B, S] "
+        "with the scales of the caches' last block");
   m.def("write_cache", &write_cache_cpu, "write K/V rows [B, Hkv, S, D] into cache slots [B, S]");
   m.def("rms_norm", &fxc_rms_norm_cpu, "fxc::rms_norm CPU kernel");
   m.def("silu_mul", &fxc_silu_mul_cpu, "fxc::silu_mul CPU kernel");
