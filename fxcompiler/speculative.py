@@ -125,31 +125,24 @@ def build_draft(target, req: SpeculativeRequest):
     kw = dict(req.llm_kwargs)
     tgt = req.target_defaults
     hf = kw.pop("speculative_model_config", None) or {}
+    common = dict(llm_config=kw.get("speculative_model_llm_config"),
+                  qformat_path=kw.get("speculative_model_qformat_path"),
+                  qparam_path=kw.get("speculative_model_qparam_path"),
+                  quant_ckpt_file_path=kw.get("speculative_model_quant_ckpt_file_path"),
+                  hf_overrides=dict(hf), bucket_config=kw.get("speculative_model_bucket_config"),
+                  max_seq_len_to_capture=target.max_seq_len_to_capture,
+                  paged_attention_block_size=target.paged_attention_block_size, cache_dir=target.cache_dir,
+                  scheduler_config=target.scheduler_config)
     if req.is_parallel_draft:  # its own rank workers (and an engine whose runner drives them)
         stages = kw.get("speculative_draft_num_blocks_per_pp_stage")
         stages = list(stages) if stages is not None else None
-        return LLM(str(req.model) if not isinstance(req.model, str) else req.model,
-                   llm_config=kw.get("speculative_model_llm_config"),
-                   qformat_path=kw.get("speculative_model_qformat_path"),
-                   qparam_path=kw.get("speculative_model_qparam_path"),
-                   quant_ckpt_file_path=kw.get("speculative_model_quant_ckpt_file_path"),
-                   hf_overrides=dict(hf), bucket_config=kw.get("speculative_model_bucket_config"),
-                   max_seq_len_to_capture=target.max_seq_len_to_capture,
-                   tensor_parallel_size=kw.get("speculative_draft_tensor_parallel_size") or 1,
-                   pipeline_parallel_size=kw.get("speculative_draft_pipeline_parallel_size") or len(stages or [1]),
-                   num_blocks_per_pp_stage=stages,
-                   paged_attention_block_size=target.paged_attention_block_size, cache_dir=target.cache_dir,
-                   scheduler_config=target.scheduler_config)
+        common.update(tensor_parallel_size=kw.get("speculative_draft_tensor_parallel_size") or 1,
+                      pipeline_parallel_size=kw.get("speculative_draft_pipeline_parallel_size") or len(stages or [1]),
+                      num_blocks_per_pp_stage=stages)
+    else:  # steps run in this process, on the target's first device
+        common.update(devices=_draft_devices(tgt.get("devices")), skip_engine=True)
     try:
-        return LLM(str(req.model) if not isinstance(req.model, str) else req.model,
-                   llm_config=kw.get("speculative_model_llm_config"),
-                   qformat_path=kw.get("speculative_model_qformat_path"),
-                   qparam_path=kw.get("speculative_model_qparam_path"),
-                   quant_ckpt_file_path=kw.get("speculative_model_quant_ckpt_file_path"),
-                   hf_overrides=dict(hf), bucket_config=kw.get("speculative_model_bucket_config"),
-                   max_seq_len_to_capture=target.max_seq_len_to_capture, devices=_draft_devices(tgt.get("devices")),
-                   paged_attention_block_size=target.paged_attention_block_size, cache_dir=target.cache_dir,
-                   scheduler_config=target.scheduler_config, skip_engine=True)
+        return LLM(str(req.model) if not isinstance(req.model, str) else req.model, **common)
     except ValueError as exc:
         if "max_position_embeddings" in str(exc):
             raise ValueError(f"speculative_model={req.model!r}: the draft's context limit is shorter than the "
