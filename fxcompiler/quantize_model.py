@@ -222,12 +222,20 @@ def _calib_method(scheme: ModuleScheme, observer: str) -> str:
 def _gptq(model_dir: Path, config, text: str, modules: list[str], scheme: ModuleScheme, gptq, num_samples: int,
           seq_len: int, seed: int, progress: bool):
     """GPTQ over the eager fp32 transformers model on the calibration windows."""
+    from .gptq import gptq_quantize_model
+
+    model, samples, how = _calibration_model(model_dir, config, text, num_samples, seq_len, seed)
+    return gptq_quantize_model(model, samples, modules, scheme, gptq, progress=progress), how
+
+
+
+def _calibration_model(model_dir: Path, config, text: str, num_samples: int, seq_len: int, seed: int):
+    """The eager fp32 model and its calibration samples: ``(model, samples, how the text was tokenized)``."""
     import warnings
 
     from transformers import AutoModelForCausalLM
 
     from .calibration import calibration_samples
-    from .gptq import gptq_quantize_model
     from .models.loader import load_tokenizer
 
     tokenizer = load_tokenizer(model_dir)
@@ -235,28 +243,15 @@ def _gptq(model_dir: Path, config, text: str, modules: list[str], scheme: Module
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
-    model.eval()
-    return gptq_quantize_model(model, samples, modules, scheme, gptq, progress=progress), how
-
+    return model.eval(), samples, how
 
 def _smoothquant(model_dir: Path, config, text: str, modules: list[str], scheme: ModuleScheme, num_samples: int,
                  seq_len: int, seed: int, alpha: float, observer: str):
     """SmoothQuant on the eager fp32 model, then RTN of the smoothed weights: ``(qparam tensors, the float
     tensors it changed {checkpoint name: tensor}, how the calibration text was tokenized)``."""
-    import warnings
-
-    from transformers import AutoModelForCausalLM
-
-    from .calibration import calibration_samples
-    from .models.loader import load_tokenizer
     from .smoothquant import smooth_model
 
-    tokenizer = load_tokenizer(model_dir)
-    samples, how = calibration_samples(text, tokenizer, config.vocab_size, num_samples, seq_len, seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
-    model.eval()
+    model, samples, how = _calibration_model(model_dir, config, text, num_samples, seq_len, seed)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     factors = smooth_model(model, samples, alpha)
     mods = dict(model.named_modules())
