@@ -147,6 +147,21 @@ class ProgramRequest:
                            random=self.use_random_weight, seed=self.seed if self.use_random_weight else None,
                            block_size=self.block_size, options=opts, backend=backend_fingerprint(device))
 
+    def capture_key(self, device: torch.device) -> str | None:
+        """Key of the exported program before any pass (:mod:`fxcompiler.capture_cache`): the model and the
+        capture settings, not the compiler options; None where the model cannot be fingerprinted."""
+        from .compile_cache import model_files_identity, program_key
+
+        if self.trust_remote_code or self.model_dir is None:
+            return None
+        files = model_files_identity(self.model_dir)
+        if self.use_random_weight:
+            files = [f for f in files if f[0].endswith(".json")]
+        return program_key(stage="capture", model_id=self.model_id, source=self.source_kind, files=files,
+                           overrides=self.hf_overrides, dtype=str(self.dtype), random=self.use_random_weight,
+                           seed=self.seed if self.use_random_weight else None, block_size=self.block_size,
+                           device=torch.device(device).type)
+
 
 def compile_program(request: ProgramRequest, loaded, *, device: torch.device, cache_dir=None,
                     instruments=None) -> tuple[torch.fx.GraphModule, CompileContext, dict[str, Any]]:
@@ -154,9 +169,7 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
     without weights yet): from the compile cache when ``cache_dir`` holds it, else by
     instantiating the model, exporting it and running the passes (then cached).
     Returns ``(graph, context, info)``; info says ``compile_cache`` hit/miss/off and timings."""
-    from .capture import capture
     from .compile_cache import CompileCache
-    from .models.loader import instantiate_model
 
     t0 = time.perf_counter()
     if device.type == "cpu":
@@ -175,20 +188,40 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
                 h["cached_seconds"], h["seconds"], h["cache_hit"] = h.get("seconds", 0.0), 0.0, True
             return gm, ctx, {"compile_cache": "hit", "cache_key": key, "export_seconds": 0.0,
                              "seconds": time.perf_counter() - t0}
-    instantiate_model(loaded, use_random_weight=request.use_random_weight, dtype=request.dtype, seed=request.seed,
-                      trust_remote_code=request.trust_remote_code)
-    captured = capture(loaded.model.to(device), block_size=request.block_size)
-    loaded.model = None  # the captured program owns the weights now; passes free what they replace
-    gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
+    captured = _captured(request, loaded, device, cache_dir if enabled else None)
     gm, ctx = optimise(captured, request.options, instruments, pass_services(device))
     info = {"compile_cache": "miss" if cache is not None else "off", "cache_key": key,
-            "export_seconds": captured.export_seconds}
+            "export_seconds": captured.export_seconds, "capture_cache": captured.info.get("capture_cache", "off")}
     if cache is not None:
         t1 = time.perf_counter()
         cache.store(key, gm, ctx, extra={"model_id": request.model_id})
         info["store_seconds"] = time.perf_counter() - t1
     info["seconds"] = time.perf_counter() - t0
     return gm, ctx, info
+
+
+def _captured(request: ProgramRequest, loaded, device: torch.device, cache_dir):
+    """The exported program: from the capture cache (:mod:`fxcompiler.capture_cache`) when ``cache_dir`` holds
+    it, else by instantiating the model and exporting it (then stored there)."""
+    from .capture import capture
+    from .capture_cache import CaptureCache
+    from .models.loader import instantiate_model
+
+    key = request.capture_key(device) if cache_dir is not None else None
+    cache = CaptureCache(cache_dir) if key is not None else None
+    if cache is not None:
+        hit = cache.load(key)
+        if hit is not None:
+            return hit
+    instantiate_model(loaded, use_random_weight=request.use_random_weight, dtype=request.dtype, seed=request.seed,
+                      trust_remote_code=request.trust_remote_code)
+    captured = capture(loaded.model.to(device), block_size=request.block_size)
+    loaded.model = None  # the captured program owns the weights now; passes free what they replace
+    gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
+    if cache is not None:
+        cache.store(key, captured)
+        captured.info["capture_cache"] = "miss"
+    return captured
 
 
 def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str, buckets: list[Bucket], *,

@@ -157,8 +157,10 @@ def load_tensors(path: Path, aliases: dict[str, str], *, region: bool = False) -
     return out
 
 
-def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext, extra: dict | None = None) -> None:
-    """Write an optimised program to ``directory`` (which must not exist yet)."""
+def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext, extra: dict | None = None,
+                 *, node_names: bool = False) -> None:
+    """Write an optimised program to ``directory`` (which must not exist yet). ``node_names``: record every
+    node's name, so that :func:`load_program` gives the loaded nodes the names they had."""
     directory.mkdir(parents=True)
     (directory / "graph.py").write_text(graph_io.graph_module_source(gm))
     constants = graph_io.graph_constants(gm)
@@ -175,6 +177,7 @@ def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext,
         "param_aliases": aliases, "constant_aliases": const_aliases, "constants": bool(constants),
         "graph_meta": {k: dict(v) for k, v in gm.meta.items() if k == "fxc_constants"},
         "history": [dict(h) for h in ctx.history],  # records are JSON (PassManager enforces it)
+        **({"node_names": [n.name for n in gm.graph.nodes]} if node_names else {}),
         **(extra or {}),
     }
     (directory / "program.json").write_text(json.dumps(meta, indent=1, sort_keys=True, default=str))
@@ -192,7 +195,8 @@ def load_program(directory: Path, *, restore_meta: bool = True,
     if meta.get("schema") != CACHE_SCHEMA_VERSION:
         raise ValueError(f"{directory}: program schema {meta.get('schema')} != {CACHE_SCHEMA_VERSION}")
     constants = load_tensors(directory / "constants.safetensors", meta["constant_aliases"]) if meta["constants"] else {}
-    gm = graph_io.load_graph_module((directory / "graph.py").read_text(), constants)
+    gm = graph_io.load_graph_module((directory / "graph.py").read_text(), constants,
+                                    node_names=meta.get("node_names"))
     if "fxc_constants" in meta["graph_meta"]:
         gm.meta["fxc_constants"] = dict(meta["graph_meta"]["fxc_constants"])  # attribute -> parameter FQN
     if meta["signature"] is None:

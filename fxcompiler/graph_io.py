@@ -61,8 +61,11 @@ class _KeepModules(torch.fx.Tracer):
 
 
 def load_graph_module(source: str, constants: dict[str, torch.Tensor] | None = None,
-                      class_name: str = "FxcGraph") -> torch.fx.GraphModule:
-    """Rebuild a GraphModule from :func:`graph_module_source` output and its constants."""
+                      class_name: str = "FxcGraph", node_names: list[str] | None = None) -> torch.fx.GraphModule:
+    """Rebuild a GraphModule from :func:`graph_module_source` output and its constants.
+
+    ``node_names``: the names the nodes had when the source was generated (one per node, in order);
+    the tracer would otherwise name each node after its target (``embedding`` -> ``embedding_default``)."""
     from torch.fx.graph_module import _forward_from_src
 
     _ensure_ops_registered()
@@ -81,7 +84,31 @@ def load_graph_module(source: str, constants: dict[str, torch.Tensor] | None = N
             raise ValueError(f"constant name {path!r} is not a Python identifier path")
         owner.register_buffer(leaf, tensor)
     graph = _KeepModules().trace(root)
+    if node_names is not None:
+        graph = _renamed(graph, node_names)
     return torch.fx.GraphModule(root, graph, class_name=class_name)
+
+
+def _renamed(graph: torch.fx.Graph, names: list[str]) -> torch.fx.Graph:
+    """A copy of ``graph`` whose nodes carry ``names`` (a fresh namespace, so no name is suffixed)."""
+    nodes = list(graph.nodes)
+    if len(nodes) != len(names) or len(set(names)) != len(names) or not all(
+            isinstance(n, str) and _SAFE_NAME.match(n) for n in names):
+        raise ValueError(f"node_names: expected {len(nodes)} distinct identifiers, one per node, "
+                         f"got {len(names)}")
+    out = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node, name in zip(nodes, names):
+        if node.op == "placeholder" and node.name != name:
+            raise ValueError(f"node_names: placeholder {node.name!r} is named {name!r}")
+        args = torch.fx.map_arg(node.args, env.__getitem__)
+        kwargs = torch.fx.map_arg(node.kwargs, env.__getitem__)
+        new = out.create_node(node.op, node.target, args, kwargs, name=name, type_expr=node.type)
+        new.meta = dict(node.meta)
+        if new.name != name:
+            raise ValueError(f"node_names: {name!r} could not be given to node {node.name!r}")
+        env[node] = new
+    return out
 
 
 def placeholder_signature(gm: torch.fx.GraphModule) -> dict[str, Any] | None:

@@ -112,5 +112,5 @@ def test_compile_killed_at_any_point_never_poisons_the_next_start(llama_dir, tmp
     final = subprocess.run([sys.executable, "-c", COMPILE, str(llama_dir), str(cache)], capture_output=True,
                            text=True, cwd=ROOT, env=env, timeout=max(300, 4 * full))
     assert _result(final) == reference
-    leftovers = [p for p in (cache / "compiled").rglob(".tmp-*")]
+    leftovers = [p for d in ("compiled", "captured") for p in (cache / d).rglob(".tmp-*")]
     assert not leftovers, leftovers
