@@ -175,17 +175,23 @@ def _fake(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_
 paged_attention = torch.ops.fxc.paged_attention.default
 
 
-def split_qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
-    """Views ``q [B, Hq, S, D]``, ``k`` and ``v [B, Hkv, S, D]`` of a fused projection ``qkv [B, S, (Hq + 2 Hkv) D]``."""
+def qkv_head_dim(qkv: torch.Tensor, num_heads: int, num_kv_heads: int) -> int:
+    """``head_dim`` of a fused projection ``qkv [B, S, (Hq + 2 Hkv) D]``; ValueError when it is not one."""
     if qkv.dim() != 3:
         raise ValueError(f"qkv_paged_attention: qkv must be [B, S, (num_heads + 2 * num_kv_heads) * head_dim], "
                          f"got shape {tuple(qkv.shape)}")
-    B, S, W = qkv.shape
+    W = qkv.shape[-1]
     heads = num_heads + 2 * num_kv_heads
     if num_heads < 1 or num_kv_heads < 1 or W % heads:
         raise ValueError(f"qkv_paged_attention: qkv's last dim {W} is not (num_heads + 2 * num_kv_heads) * head_dim "
                          f"for num_heads={num_heads}, num_kv_heads={num_kv_heads}")
-    D = W // heads
+    return W // heads
+
+
+def split_qkv_heads(qkv: torch.Tensor, num_heads: int, num_kv_heads: int):
+    """Views ``q [B, Hq, S, D]``, ``k`` and ``v [B, Hkv, S, D]`` of a fused projection ``qkv [B, S, (Hq + 2 Hkv) D]``."""
+    D = qkv_head_dim(qkv, num_heads, num_kv_heads)
+    B, S, _ = qkv.shape
     q, k, v = qkv.split([num_heads * D, num_kv_heads * D, num_kv_heads * D], -1)
     return (q.view(B, S, num_heads, D).permute(0, 2, 1, 3), k.view(B, S, num_kv_heads, D).permute(0, 2, 1, 3),
             v.view(B, S, num_kv_heads, D).permute(0, 2, 1, 3))
@@ -219,8 +225,8 @@ _lib.impl("qkv_paged_attention", qkv_paged_attention_reference, "CompositeExplic
 @torch.library.register_fake("fxc::qkv_paged_attention", lib=_lib)
 def _qkv_fake(qkv, cos, sin, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens, num_heads,
               num_kv_heads, scale, sliding_window=-1, softcap=0.0):
-    q, _, _ = split_qkv_heads(qkv, num_heads, num_kv_heads)
-    return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * q.shape[-1])
+    # shapes only: building the split views under fake mode cost ~0.1 s a node (symbolic guards)
+    return qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * qkv_head_dim(qkv, num_heads, num_kv_heads))
 
 
 qkv_paged_attention = torch.ops.fxc.qkv_paged_attention.default
