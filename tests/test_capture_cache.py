@@ -107,7 +107,6 @@ def test_disabled_with_the_compile_cache(llama, tmp_path, monkeypatch):
     monkeypatch.setenv("FXCOMPILER_COMPILE_CACHE", "0")
     assert _llm(llama, tmp_path, skip_engine=True).build_info["capture_cache"] == "off"
     assert not (tmp_path / "captured").exists()
-    assert _llm(llama, None, skip_engine=True).build_info["capture_cache"] == "off"
 
 
 def test_node_names_survive_the_round_trip_and_bad_names_are_refused():
