@@ -210,7 +210,7 @@ def _captured(request: ProgramRequest, loaded, device: torch.device, cache_dir):
     key = request.capture_key(device) if cache_dir is not None else None
     cache = CaptureCache(cache_dir) if key is not None else None
     if cache is not None:
-        hit = cache.load(key)
+        hit = cache.load_captured(key)
         if hit is not None:
             return hit
     instantiate_model(loaded, use_random_weight=request.use_random_weight, dtype=request.dtype, seed=request.seed,
@@ -219,7 +219,7 @@ def _captured(request: ProgramRequest, loaded, device: torch.device, cache_dir):
     loaded.model = None  # the captured program owns the weights now; passes free what they replace
     gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
     if cache is not None:
-        cache.store(key, captured)
+        cache.store_captured(key, captured)
         captured.info["capture_cache"] = "miss"
     return captured
 

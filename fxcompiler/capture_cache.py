@@ -18,64 +18,37 @@ placeholder signature. The passes then run as on a fresh export, so builds that 
 the compile cache, use this one. ``FXCOMPILER_COMPILE_CACHE=0`` turns both off.
 
 Requires: a :class:`~fxcompiler.capture.CapturedProgram` straight from :func:`~fxcompiler.capture.capture`
-(no pass has run). Ensures: :meth:`CaptureCache.load` returns an equivalent ``CapturedProgram``
+(no pass has run). Ensures: :meth:`CaptureCache.load_captured` returns an equivalent ``CapturedProgram``
 whose parameters are private to the caller (the passes may replace them freely).
 """
 from __future__ import annotations
 
-import logging
-import os
-import shutil
 import time
-from pathlib import Path
 
 from .capture import CapturedProgram
-from .compile_cache import load_program, save_program, write_entry
-from .integrity import remove_stale_temps, stamp_store
+from .compile_cache import CompileCache, save_program, write_entry
 from .pass_manager import CompileContext
 
-log = logging.getLogger("fxcompiler.cache")
 
-
-class CaptureCache:
+class CaptureCache(CompileCache):
     """``cache_dir/captured/<key>/`` entries of exported, not yet optimised, programs."""
 
-    def __init__(self, cache_dir: str | os.PathLike):
-        self.cache_dir = Path(cache_dir)
-        self.root = self.cache_dir / "captured"
+    DIRECTORY = "captured"
+    WHAT = "capture cache"
 
-    def path(self, key: str) -> Path:
-        return self.root / key
-
-    def load(self, key: str) -> CapturedProgram | None:
+    def load_captured(self, key: str) -> CapturedProgram | None:
         """The cached export (meta restored, node names kept), or None when absent or damaged."""
-        entry = self.path(key)
-        remove_stale_temps(self.root, ".tmp-")
-        if not (entry / "program.json").is_file():
-            if entry.exists():
-                log.warning("capture cache entry %s has no program.json; removing it", entry)
-                shutil.rmtree(entry, ignore_errors=True)
-            return None
         t0 = time.perf_counter()
-        try:
-            gm, ctx = load_program(entry, restore_meta=True, stamps=stamp_store(self.cache_dir))
-        except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
-            log.warning("capture cache entry %s is unreadable (%s); exporting again", entry, exc)
-            shutil.rmtree(entry, ignore_errors=True)
+        program = self.load(key, restore_meta=True)
+        if program is None:
             return None
-        seconds = time.perf_counter() - t0
-        log.info("capture cache hit %s (%.2fs)", key, seconds)
+        gm, ctx = program
         return CapturedProgram(gm, list(ctx.input_specs), dict(ctx.params), ctx.geometry, 0.0,
-                               {"nodes": len(gm.graph.nodes), "capture_cache": "hit", "load_seconds": seconds})
+                               {"nodes": len(gm.graph.nodes), "capture_cache": "hit",
+                                "load_seconds": time.perf_counter() - t0})
 
-    def store(self, key: str, captured: CapturedProgram) -> None:
+    def store_captured(self, key: str, captured: CapturedProgram) -> None:
         """Write ``captured`` (call before any pass runs on it); an existing entry is kept."""
         ctx = CompileContext(list(captured.input_specs), captured.params, captured.geometry, {})
         write_entry(self.path(key), lambda tmp: save_program(tmp, captured.graph_module, ctx,
-                                                             {"stage": "capture"}, node_names=True),
-                    "capture cache")
-
-
-def enabled() -> bool:
-    """``FXCOMPILER_COMPILE_CACHE=0`` (or off/false/no) disables the capture cache with the compile cache."""
-    return os.environ.get("FXCOMPILER_COMPILE_CACHE", "1").strip().lower() not in ("0", "off", "false", "no")
+                                                             {"stage": "capture"}, node_names=True), self.WHAT)

@@ -216,9 +216,12 @@ def load_program(directory: Path, *, restore_meta: bool = True,
 class CompileCache:
     """``cache_dir/compiled/<key>/`` entries of optimised programs."""
 
+    DIRECTORY = "compiled"  # under cache_dir
+    WHAT = "compile cache"  # in warnings
+
     def __init__(self, cache_dir: str | os.PathLike):
         self.cache_dir = Path(cache_dir)
-        self.root = self.cache_dir / "compiled"
+        self.root = self.cache_dir / self.DIRECTORY
 
     def path(self, key: str) -> Path:
         return self.root / key
@@ -230,21 +233,21 @@ class CompileCache:
         remove_stale_temps(self.root, ".tmp-")  # entries a killed writer left half-written
         if not (entry / "program.json").is_file():
             if entry.exists():  # entries appear whole (a renamed directory): this one was damaged
-                log.warning("compile cache entry %s has no program.json; removing it", entry)
+                log.warning("%s entry %s has no program.json; removing it", self.WHAT, entry)
                 shutil.rmtree(entry, ignore_errors=True)
             return None
         t0 = time.perf_counter()
         try:
             program = load_program(entry, restore_meta=restore_meta, stamps=stamp_store(self.cache_dir))
         except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
-            log.warning("compile cache entry %s is unreadable (%s); rebuilding it", entry, exc)
+            log.warning("%s entry %s is unreadable (%s); rebuilding it", self.WHAT, entry, exc)
             shutil.rmtree(entry, ignore_errors=True)
             return None
-        log.info("compile cache hit %s (%.2fs)", key, time.perf_counter() - t0)
+        log.info("%s hit %s (%.2fs)", self.WHAT, key, time.perf_counter() - t0)
         return program
 
     def store(self, key: str, gm: torch.fx.GraphModule, ctx: CompileContext, extra: dict | None = None) -> None:
-        write_entry(self.path(key), lambda tmp: save_program(tmp, gm, ctx, extra), "compile cache")
+        write_entry(self.path(key), lambda tmp: save_program(tmp, gm, ctx, extra), self.WHAT)
 
 
 def write_entry(entry: Path, write: Callable[[Path], None], what: str) -> None:

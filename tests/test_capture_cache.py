@@ -43,7 +43,7 @@ def warm(llama, tmp_path_factory):
     cache = tmp_path_factory.mktemp("capture-cache")
     first = _llm(llama, cache)
     assert first.build_info["capture_cache"] == "miss" and first.build_info["export_seconds"] > 0
-    assert len(list((cache / "captured").iterdir())) == 1
+    assert len(list(CaptureCache(cache).root.iterdir())) == 1 and CaptureCache(cache).root.name == "captured"
     return cache, first
 
 
