@@ -133,34 +133,33 @@ class ProgramRequest:
     block_size: int
     options: dict[str, Any]
 
+    def _model_inputs(self) -> dict[str, Any]:
+        """The key inputs that identify the model itself (both keys below hash them)."""
+        from .compile_cache import model_files_identity
+
+        files = model_files_identity(self.model_dir)
+        if self.use_random_weight:  # weights come from the seed, not the files
+            files = [f for f in files if f[0].endswith(".json")]
+        return dict(model_id=self.model_id, source=self.source_kind, files=files, overrides=self.hf_overrides,
+                    dtype=str(self.dtype), random=self.use_random_weight,
+                    seed=self.seed if self.use_random_weight else None, block_size=self.block_size)
+
     def cache_key(self, device: torch.device) -> str | None:
-        from .compile_cache import model_files_identity, options_fingerprint, program_key
+        from .compile_cache import options_fingerprint, program_key
 
         opts = options_fingerprint(self.options)
         if opts is None or self.trust_remote_code:
             return None
-        files = model_files_identity(self.model_dir)
-        if self.use_random_weight:  # weights come from the seed, not the files
-            files = [f for f in files if f[0].endswith(".json")]
-        return program_key(model_id=self.model_id, source=self.source_kind, files=files,
-                           overrides=self.hf_overrides, dtype=str(self.dtype),
-                           random=self.use_random_weight, seed=self.seed if self.use_random_weight else None,
-                           block_size=self.block_size, options=opts, backend=backend_fingerprint(device))
+        return program_key(**self._model_inputs(), options=opts, backend=backend_fingerprint(device))
 
     def capture_key(self, device: torch.device) -> str | None:
         """Key of the exported program before any pass (:mod:`fxcompiler.capture_cache`): the model and the
         capture settings, not the compiler options; None where the model cannot be fingerprinted."""
-        from .compile_cache import model_files_identity, program_key
+        from .compile_cache import program_key
 
         if self.trust_remote_code or self.model_dir is None:
             return None
-        files = model_files_identity(self.model_dir)
-        if self.use_random_weight:
-            files = [f for f in files if f[0].endswith(".json")]
-        return program_key(stage="capture", model_id=self.model_id, source=self.source_kind, files=files,
-                           overrides=self.hf_overrides, dtype=str(self.dtype), random=self.use_random_weight,
-                           seed=self.seed if self.use_random_weight else None, block_size=self.block_size,
-                           device=torch.device(device).type)
+        return program_key(stage="capture", **self._model_inputs(), device=torch.device(device).type)
 
 
 def compile_program(request: ProgramRequest, loaded, *, device: torch.device, cache_dir=None,
