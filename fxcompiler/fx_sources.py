@@ -13,6 +13,11 @@ function object was compiled from them); ``LLM.shutdown()`` calls it. Only numbe
 considered, and only those that already existed at the previous call: a key is cached just
 before its function is created, so a newer one may belong to a graph another thread is
 compiling right now.
+
+A call finds the lock taken when another call is running, in another thread or in this one: a
+garbage collection triggered inside the scan can finalise an ``LLM``, whose ``__del__`` shuts it
+down and calls this again. It then returns at once (the running call does the work) instead of
+waiting for a lock its own thread holds.
 """
 from __future__ import annotations
 
@@ -33,7 +38,9 @@ def release_dead_sources() -> int:
     global _watermark
     from torch.fx.graph_module import _loader
 
-    with _lock:
+    if not _lock.acquire(blocking=False):
+        return 0
+    try:
         limit, _watermark = _watermark, _loader.next_id
         old = [k for k in list(_loader.eval_cache) if (m := _KEY.match(k)) and int(m.group(1)) < limit]
         if not old:
@@ -44,3 +51,5 @@ def release_dead_sources() -> int:
             _loader.eval_cache.pop(k, None)
             linecache.cache.pop(k, None)
         return len(dead)
+    finally:
+        _lock.release()

@@ -23,19 +23,26 @@ def register(llm: Any) -> None:
     _LIVE.add(llm)
 
 
-def shutdown(llm: Any, timeout: float = 10.0, release_sources: bool = True) -> None:
+def shutdown(llm: Any, timeout: float = 10.0, release_sources: bool = True, finalizing: bool = False) -> None:
     """Abort ``llm``'s requests, stop its driver's worker thread and release its engine (and the
-    graph sources torch.fx still keeps for graphs that are gone: :mod:`fxcompiler.fx_sources`)."""
+    graph sources torch.fx still keeps for graphs that are gone: :mod:`fxcompiler.fx_sources`).
+
+    ``finalizing``: called from ``__del__``, which a garbage collection runs in whatever thread
+    allocated, possibly the engine's own worker in the middle of a step, holding the engine lock.
+    Waiting for that lock would never end, so a finaliser aborts the requests only when the lock
+    is free; otherwise the worker stops after its step and the engine goes with it."""
     if llm.__dict__.get("_shut_down", False):
         return
     llm.__dict__["_shut_down"] = True
     driver = llm.__dict__.get("_driver")
     engine = llm.__dict__.get("engine")
     lock = llm.__dict__.get("_lock")
-    if engine is not None and lock is not None:
-        with lock:
+    if engine is not None and lock is not None and lock.acquire(blocking=not finalizing):
+        try:
             for rid in list(getattr(engine, "requests", {})):
                 engine.abort_request(rid)
+        finally:
+            lock.release()
     if driver is not None and not driver.close(timeout):
         log.warning("the engine worker of %r did not stop within %.0fs (a step still running)", llm, timeout)
     llm.__dict__["_driver"] = None
@@ -51,7 +58,7 @@ def shutdown(llm: Any, timeout: float = 10.0, release_sources: bool = True) -> N
         workers.shutdown()
     draft = llm.__dict__.pop("_owned_draft", None)  # a parallel draft built for this LLM: its rank workers
     if draft is not None:
-        shutdown(draft, timeout, release_sources=False)
+        shutdown(draft, timeout, release_sources=False, finalizing=finalizing)
     _LIVE.discard(llm)
     if release_sources:
         from .fx_sources import release_dead_sources

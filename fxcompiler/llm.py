@@ -610,7 +610,7 @@ class LLM:
 
     def __del__(self):
         try:
-            lifecycle.shutdown(self)
+            lifecycle.shutdown(self, finalizing=True)
         except Exception:  # noqa: BLE001 - never raise from a finaliser
             pass
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import linecache
+import threading
+import types
 
 import torch
 from torch.fx.graph_module import _loader
@@ -45,3 +47,32 @@ def test_a_key_newer_than_the_previous_call_is_left_for_the_next():
     assert key in _loader.eval_cache
     release_dead_sources()
     assert key not in _loader.eval_cache
+
+
+def test_a_finaliser_calling_it_during_its_scan_does_not_deadlock(monkeypatch):
+    """The scan allocates, so a garbage collection can run inside it and finalise an LLM whose
+    ``__del__`` calls release_dead_sources again in the same thread: it returns instead of waiting."""
+    from fxcompiler import fx_sources
+
+    inner = []
+
+    class Finalised:
+        def __del__(self):
+            inner.append(release_dead_sources())
+
+    def get_objects_collecting():
+        cycle = Finalised()
+        cycle.self = cycle
+        del cycle
+        gc.collect()  # what an allocation inside the scan may trigger
+        return gc.get_objects()
+
+    monkeypatch.setattr(fx_sources, "gc", types.SimpleNamespace(get_objects=get_objects_collecting))
+    release_dead_sources()
+    torch.fx.symbolic_trace(_Net())  # an old key for the next call, so it scans
+    release_dead_sources()
+    t = threading.Thread(target=release_dead_sources, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "release_dead_sources deadlocked on its own lock"
+    assert inner and all(n == 0 for n in inner)

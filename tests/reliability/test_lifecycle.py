@@ -57,6 +57,27 @@ def test_an_llm_that_streamed_is_freed_when_dropped(llama_dir, rel_cache):
     assert len(_workers()) == before
 
 
+def test_a_finaliser_in_a_thread_holding_the_engine_lock_returns(llama_dir, rel_cache):
+    """A garbage collection can finalise an LLM in the thread that holds its engine lock (its own
+    worker, mid-step); ``__del__`` then must not wait for that lock (it used to, forever)."""
+    llm = _streamed_llm(llama_dir, rel_cache)
+    engine = weakref.ref(llm.engine)
+    done = threading.Event()
+
+    def finalise_holding_the_lock():
+        with llm._lock:
+            llm.__del__()
+        done.set()
+
+    t = threading.Thread(target=finalise_holding_the_lock, daemon=True)
+    t.start()
+    assert done.wait(30), "LLM.__del__ blocked on the engine lock its own thread holds"
+    assert llm.engine is None
+    del llm
+    gc.collect()
+    assert engine() is None
+
+
 def test_context_manager_shuts_down(llama_dir, rel_cache):
     with make_llm(llama_dir, rel_cache) as llm:
         assert llm.generate(None, SP, prompt_token_ids=PROMPTS[:1])[0].finished
