@@ -350,7 +350,7 @@ def cmd_quantize(args) -> int:
     out = quantize_model(args.model_pos, args.output, args.scheme, algorithm=args.algorithm,
                          calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
                          seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR, gptq=gptq, observer=args.w_observer,
-                         smoothquant_alpha=args.smoothquant_alpha)
+                         smoothquant_alpha=args.smoothquant_alpha, kv_calib_tokens=args.kv_calib_tokens)
     print(f"quantized model: {out} (scheme {args.scheme}, {args.algorithm}); load it with LLM({str(out)!r})")
     return 0
 
@@ -409,7 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
     qz = sub.add_parser("quantize", help="write a quantized model directory (qformat, qparam, recipe) LLM(OUT) loads")
     qz.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
     qz.add_argument("output", metavar="OUT", help="directory to create (must not exist or be empty)")
-    qz.add_argument("--scheme", required=True, help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 | fp8 (= wf8a16) | w8a8 (wf8af8, kv8: not built)")
+    qz.add_argument("--scheme", required=True,
+                    help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 | fp8 (= wf8a16) | w8a8, each optionally +kv8 "
+                         "(e.g. w8a16+kv8: int8 KV cache with calibrated static scales), or kv8 alone "
+                         "(wf8af8: not built)")
     qz.add_argument("--algorithm", default="rtn", help="rtn | gptq | smoothquant (w8a8 only)")
     qz.add_argument("--smoothquant-alpha", type=float, default=0.5,
                     help="SmoothQuant migration strength in (0, 1]: s = max|X|^a / max|W|^(1-a)")
@@ -428,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="calibration text (default: the calibration half of CPython's pydoc_data.topics)")
     qz.add_argument("--num-samples", type=int, default=128)
     qz.add_argument("--seq-len", type=int, default=512)
+    qz.add_argument("--kv-calib-tokens", type=int, default=None,
+                    help="kv8: tokens of the calibration text prefilled to find the KV scales (default 1024)")
     qz.add_argument("--seed", type=int, default=0)
     qz.add_argument("--cache-dir", default=None)
     qz.add_argument("-v", "--verbose", action="store_true")

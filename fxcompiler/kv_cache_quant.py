@@ -76,7 +76,7 @@ def quantize_kv_cache(llm, text: str | list[str] | None = None, *, num_tokens: i
         raise ValueError("quantize_kv_cache needs an engine with a float KV cache (kv_cache_dtype='auto')")
     from .sampling_params import SamplingParams  # noqa: PLC0415
 
-    window = max(16, min(llm.prompt_max_seq_len, 512))
+    window = max(16, min(llm.prompt_max_seq_len, llm.max_seq_len_to_capture - 1, 512))  # room for the 1 token
     prompts = _token_windows(llm, calibration_text() if text is None else text, num_tokens, window)
     k_amax = torch.zeros(len(kv.k), kv.k[0].shape[2])
     v_amax = torch.zeros_like(k_amax)

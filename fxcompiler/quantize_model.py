@@ -15,7 +15,13 @@ Built: RTN (round to nearest) and GPTQ (:mod:`fxcompiler.gptq`, calibrated on ``
 bf16 activations; GPTQ too), and ``w8a8`` (int8 weights per channel, per-token int8 activations at run time:
 ``fxc::linear_w8a8``) with RTN, GPTQ or ``smoothquant`` (:mod:`fxcompiler.smoothquant`: factors from the
 calibration windows, folded into the RMSNorm and linear weights OUT's safetensors then hold, recorded as
-``M.smooth_factor``; then RTN). The Wf8Af8/KV8 schemes raise ``NotImplementedError``.
+``M.smooth_factor``; then RTN). The Wf8Af8 scheme raises ``NotImplementedError``.
+
+``kv8`` (alone, or after a weight scheme: ``w8a16+kv8``) adds ``kv_cache_scales.json``: static per-layer,
+per-KV-head scales of an int8 KV cache (:mod:`fxcompiler.kv_cache_quant`), calibrated by prefilling
+``kv_calib_tokens`` tokens of the calibration text through the model OUT describes (its quantized weights
+included) with a float cache. ``LLM(OUT)`` then runs with ``kv_cache_dtype="int8"`` and these scales, without
+calibrating at start-up.
 """
 from __future__ import annotations
 
@@ -36,13 +42,24 @@ from .quant_options import QFORMAT_FILE, QPARAM_FILE
 __all__ = ["RECIPE_FILE", "parse_scheme", "quantize_model"]
 
 RECIPE_FILE = "quantization_recipe.json"
-_LATER = {"fp8-act": "fp8 activations (per-token fp8 activation quantization and an fp8 x fp8 matmul kernel)",
-          "kv8": "an int8/fp8 KV cache with scales inside the paged-attention kernels"}
-_BUILT = "w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16), w8a8"
+_LATER = {"fp8-act": "fp8 activations (per-token fp8 activation quantization and an fp8 x fp8 matmul kernel)"}
+_BUILT = "w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16), w8a8, each optionally +kv8, or kv8 alone"
+
+
+def split_scheme(scheme: str) -> tuple[str | None, bool]:
+    """``"w8a16+kv8"`` → (``"w8a16"``, True); ``"kv8"`` → (None, True); ``"w8a16"`` → (``"w8a16"``, False)."""
+    if not isinstance(scheme, str):
+        raise TypeError(f"--scheme must be a string, got {type(scheme).__name__}")
+    parts = [p.strip().lower() for p in scheme.split("+")]
+    weights = [p for p in parts if p != "kv8"]
+    if "" in parts or len(weights) > 1 or parts.count("kv8") > 1:
+        raise ValueError(f"--scheme must be one weight scheme, kv8, or a weight scheme +kv8 (e.g. w8a16+kv8), "
+                         f"got {scheme!r}")
+    return (weights[0] if weights else None), "kv8" in parts
 
 
 def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
-    """``w8a16`` | ``w4a16-g{32,64,128}`` | ``fp8`` / ``wf8a16`` → (config, the modules' scheme)."""
+    """``w8a16`` | ``w4a16-g{32,64,128}`` | ``fp8`` / ``wf8a16`` | ``w8a8`` → (config, the modules' scheme)."""
     s = scheme.strip().lower()
     if s == "w8a16":
         return QuantizationConfig.w_i8_a_16(), ModuleScheme("int8", -1, True)
@@ -56,8 +73,9 @@ def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
     if m:
         return QuantizationConfig.w_4_a_16(), ModuleScheme("int4", int(m.group(1)), False)
     if s == "kv8":
-        raise NotImplementedError(f"--scheme {scheme}: {_LATER[s]} not implemented yet (issue 17); built: {_BUILT}")
-    raise ValueError(f"--scheme must be {_BUILT} (or wf8af8, kv8, not built yet), got {scheme!r}")
+        raise ValueError("kv8 is a KV-cache scheme, not a weight scheme: quantize_model(..., 'kv8') or "
+                         "'<weight scheme>+kv8' (split_scheme)")
+    raise ValueError(f"--scheme must be {_BUILT} (wf8af8: not built yet), got {scheme!r}")
 
 
 def _linear_modules(config) -> list[str]:
@@ -117,16 +135,31 @@ def _rtn(w: torch.Tensor, scheme: ModuleScheme, observer: str = "minmax") -> dic
 def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm: str = "rtn",
                    calib_data: str | os.PathLike | None = None, num_samples: int = 128, seq_len: int = 512,
                    seed: int = 0, cache_dir: str | os.PathLike | None = None, progress: bool = True,
-                   gptq: "GPTQConfig | None" = None, observer: str = "minmax", smoothquant_alpha: float = 0.5) -> Path:
+                   gptq: "GPTQConfig | None" = None, observer: str = "minmax", smoothquant_alpha: float = 0.5,
+                   kv_calib_tokens: int | None = None) -> Path:
     """Quantize ``model`` (id, HF directory or .gguf) into the directory ``out``; returns it
     (``gptq``: GPTQ's damping / block size / act order / observer / refit, defaults 0.01 / 128 / off / minmax /
     off; ``observer``: the weight observer of RTN, :mod:`fxcompiler.weight_observer`; ``smoothquant_alpha``: the
-    migration strength of ``algorithm="smoothquant"``, in (0, 1])."""
+    migration strength of ``algorithm="smoothquant"``, in (0, 1]; ``kv_calib_tokens``: tokens the KV8 scales are
+    calibrated on, default :data:`~fxcompiler.kv_cache_quant.DEFAULT_CALIBRATION_TOKENS`)."""
     from .calibration import calibration_text, text_digest
+    from .kv_cache_quant import DEFAULT_CALIBRATION_TOKENS
     from .models.loader import load_config, model_directory
     from .models.sources import resolve_model_source
 
-    config_q, module_scheme = parse_scheme(scheme)
+    weight_scheme, kv8 = split_scheme(scheme)
+    if kv_calib_tokens is None:
+        kv_calib_tokens = DEFAULT_CALIBRATION_TOKENS
+    if isinstance(kv_calib_tokens, bool) or not isinstance(kv_calib_tokens, int) or kv_calib_tokens <= 0:
+        raise ValueError(f"--kv-calib-tokens must be a positive int, got {kv_calib_tokens!r}")
+    if not kv8 and kv_calib_tokens != DEFAULT_CALIBRATION_TOKENS:
+        raise ValueError(f"--kv-calib-tokens applies to the kv8 scheme, got --scheme {scheme}")
+    if weight_scheme is None:
+        if algorithm != "rtn":
+            raise ValueError(f"--algorithm {algorithm} quantizes weights; --scheme kv8 quantizes only the KV cache "
+                             "(use e.g. --scheme w8a16+kv8)")
+        return _quantize_kv_only(model, Path(out), calib_data, kv_calib_tokens, cache_dir)
+    config_q, module_scheme = parse_scheme(weight_scheme)
     if algorithm not in ("rtn", "gptq", "smoothquant"):
         raise ValueError(f"--algorithm must be rtn, gptq or smoothquant, got {algorithm!r}")
     if algorithm == "smoothquant":
@@ -207,8 +240,59 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
               "calibration": calib, ("gptq" if algorithm == "gptq" else "smoothquant" if algorithm == "smoothquant"
                                      else "rtn"): algo_record,
               "qformat_sha256": qparam_digest(out / QFORMAT_FILE), "qparam_sha256": qparam_digest(out / QPARAM_FILE)}
+    if kv8:
+        recipe["kv_cache"] = _write_kv_scales(out, calib_text, calib_source, kv_calib_tokens, cache_dir)
     (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     return out
+
+
+def _quantize_kv_only(model: str, out: Path, calib_data, num_tokens: int, cache_dir) -> Path:
+    """``--scheme kv8``: OUT = the model's files + ``kv_cache_scales.json`` + the recipe."""
+    from .calibration import calibration_text
+    from .models.loader import model_directory
+    from .models.sources import resolve_model_source
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output directory {str(out)!r} exists and is not empty")
+    if calib_data is not None:
+        calib_text, calib_source = Path(calib_data).read_text(encoding="utf-8"), os.fspath(calib_data)
+    else:
+        calib_text, calib_source = calibration_text(), "pydoc_data.topics (even-indexed topics by name)"
+    source = resolve_model_source(model)
+    model_dir = Path(model_directory(source, cache_dir))
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        for f in model_dir.iterdir():
+            if f.is_file() and f.name not in (RECIPE_FILE,):
+                shutil.copy2(f, out / f.name)
+        recipe = {"scheme": "kv8", "config": "KV8", "source_model": source.model_id,
+                  "kv_cache": _write_kv_scales(out, calib_text, calib_source, num_tokens, cache_dir)}
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)  # never a half-written model directory
+        raise
+    (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
+    return out
+
+
+def _write_kv_scales(out: Path, text: str, source: str, num_tokens: int, cache_dir) -> dict:
+    """Calibrate KV8 scales on the model in ``out`` (float cache) and write ``kv_cache_scales.json``; the recipe record."""
+    from .calibration import text_digest
+    from .kv_cache_quant import DEFAULT_MARGIN, KV_SCALES_FILE, quantize_kv_cache, save_kv_scales
+    from .llm import LLM
+    from .models.loader import load_config
+    from .config import ManualBucketConfig
+
+    config = load_config(out, {}, False)
+    window = min(512, int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 512)))
+    # one prefill bucket of the calibration window: the build is for calibration only
+    with LLM(str(out), kv_cache_dtype="auto", cache_dir=cache_dir, max_seq_len_to_capture=window,
+             bucket_config=ManualBucketConfig(prefill_buckets=[(1, window)], decode_buckets=[(1, window)])) as llm:
+        k, v = quantize_kv_cache(llm, text, num_tokens=num_tokens)
+    record = {"dtype": "int8", "file": KV_SCALES_FILE, "granularity": "per layer, per KV head (static)",
+              "margin": DEFAULT_MARGIN, "calibration": {"source": source, "sha256": text_digest(text),
+                                                        "num_tokens": num_tokens, "max_seq_len": window}}
+    save_kv_scales(out, k, v, {"recipe": record})
+    return record
 
 
 def _calib_method(scheme: ModuleScheme, observer: str) -> str:

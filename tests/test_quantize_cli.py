@@ -24,7 +24,11 @@ def test_pydoc_topics_split_is_deterministic_and_disjoint():
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--scheme", "kv8"], "KV cache with scales .* not implemented yet"),
+    (["--scheme", "kv8+kv8"], "one weight scheme, kv8, or a weight scheme \\+kv8"),
+    (["--scheme", "w8a16+w4a16-g32"], "one weight scheme, kv8, or a weight scheme \\+kv8"),
+    (["--scheme", "kv8", "--algorithm", "gptq"], "--algorithm gptq quantizes weights; --scheme kv8"),
+    (["--scheme", "w8a16", "--kv-calib-tokens", "64"], "--kv-calib-tokens applies to the kv8 scheme"),
+    (["--scheme", "kv8", "--kv-calib-tokens", "0"], "--kv-calib-tokens must be a positive int"),
     (["--scheme", "wf8af8"], "fp8 activations .* not implemented yet.*built: .*fp8"),
     (["--scheme", "w4a16-g48"], "--scheme must be w8a16"),
     (["--scheme", "w8a16", "--algorithm", "smoothquant"], "--algorithm smoothquant needs int8 activations"),
@@ -90,4 +94,46 @@ def test_fp8_directory_loads_with_the_file_codes(tiny_models, tmp_path):
     outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
                         prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    llm.shutdown()
+
+
+def _scales(llm):
+    return [t.tolist() for t in llm.kv_cache_scales]
+
+
+def test_kv8_directory_loads_int8_with_the_file_scales(tiny_models, tmp_path):
+    """``--scheme kv8``: the model's files + ``kv_cache_scales.json``; ``LLM(OUT)`` starts an int8 cache with
+    exactly those scales (no calibration at start-up) and generates."""
+    out = tmp_path / "kv8"
+    assert main(["quantize", str(tiny_models["llama"]), str(out), "--scheme", "kv8", "--kv-calib-tokens", "600"]) == 0
+    recipe = json.loads((out / "quantization_recipe.json").read_text())
+    assert recipe["scheme"] == "kv8" and recipe["kv_cache"]["calibration"]["num_tokens"] == 600
+    assert not (out / "qformat.yaml").exists() and (out / "config.json").is_file()
+    data = json.loads((out / "kv_cache_scales.json").read_text())
+    assert data["kv_cache_dtype"] == "int8" and data["recipe"]["margin"] == 1.05
+    k, v = torch.tensor(data["k_scale"]), torch.tensor(data["v_scale"])
+    assert k.shape == v.shape == (2, 2) and bool((k > 0).all() and (v > 0).all())
+
+    llm = LLM(str(out), max_seq_len_to_capture=64, cache_dir=None)
+    assert llm.kv_cache_dtype == "int8" and llm.engine.runner.kv.dtype == torch.int8
+    assert _scales(llm) == [data["k_scale"], data["v_scale"]]
+    outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                        prompt_token_ids=[[5, 17, 33, 2], [9, 8, 7]])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8]
+    llm.shutdown()
+
+
+def test_weight_scheme_plus_kv8_quantizes_both(tiny_models, tmp_path):
+    """``w8a16+kv8``: the qformat/qparam of w8a16, and KV scales calibrated on the quantized model."""
+    out = tmp_path / "w8kv8"
+    assert main(["quantize", str(tiny_models["llama"]), str(out), "--scheme", "w8a16+kv8"]) == 0
+    recipe = json.loads((out / "quantization_recipe.json").read_text())
+    assert recipe["scheme"] == "w8a16+kv8" and recipe["config"] == "W8A16"
+    assert recipe["kv_cache"]["calibration"]["num_tokens"] == 1024
+    llm = LLM(str(out), max_seq_len_to_capture=64, cache_dir=None)
+    info = next(h for h in llm.pass_history if h["pass"] == "quantize")
+    assert info["ops"] == {"w8": 8}
+    assert llm.kv_cache_dtype == "int8" and llm.engine.runner.kv.dtype == torch.int8
+    data = json.loads((out / "kv_cache_scales.json").read_text())
+    assert _scales(llm) == [data["k_scale"], data["v_scale"]]
     llm.shutdown()
