@@ -1,9 +1,9 @@
 """Benchmark the fxc CPU linear kernels against torch in the same run.
 
-    python benchmarks/kernels.py            # SmolLM2 shapes, M = 1, 16, 64, fp32/bf16/int8
-    python benchmarks/kernels.py --quick    # fewer shapes / shorter timing
-    python benchmarks/kernels.py --pool-mb 0   # "hot": one weight, may sit in L2/L3
-    python benchmarks/kernels.py --dtypes bf16 --m 64,256,512 --rounds 9 --pool-mb 64 \
+    python benchmarks/linear_kernels.py            # SmolLM2 shapes, M = 1, 16, 64, fp32/bf16/int8
+    python benchmarks/linear_kernels.py --quick    # fewer shapes / shorter timing
+    python benchmarks/linear_kernels.py --pool-mb 0   # "hot": one weight, may sit in L2/L3
+    python benchmarks/linear_kernels.py --dtypes bf16 --m 64,256,512 --rounds 9 --pool-mb 64 \
         --candidates "x bf16,torch.mm,oneDNN"       # bf16 compute-bound: interleaved rounds
 
 GB/s counts the weight bytes only (N*K*elem_size; int8 = 1 byte, scales excluded),
