@@ -142,7 +142,7 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
     off; ``observer``: the weight observer of RTN, :mod:`fxcompiler.weight_observer`; ``smoothquant_alpha``: the
     migration strength of ``algorithm="smoothquant"``, in (0, 1]; ``kv_calib_tokens``: tokens the KV8 scales are
     calibrated on, default :data:`~fxcompiler.kv_cache_quant.DEFAULT_CALIBRATION_TOKENS`)."""
-    from .calibration import calibration_text, text_digest
+    from .calibration import text_digest
     from .kv_cache_quant import DEFAULT_CALIBRATION_TOKENS
     from .models.loader import load_config, model_directory
     from .models.sources import resolve_model_source
@@ -178,12 +178,8 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be a positive int, got {v!r}")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output directory {str(out)!r} exists and is not empty")
-    if calib_data is not None:
-        calib_text, calib_source = Path(calib_data).read_text(encoding="utf-8"), os.fspath(calib_data)
-    else:
-        calib_text, calib_source = calibration_text(), "pydoc_data.topics (even-indexed topics by name)"
+    _check_output_is_empty(out)
+    calib_text, calib_source = _calibration(calib_data)
     source = resolve_model_source(model)
     model_dir = Path(model_directory(source, cache_dir))
     config = load_config(model_dir, {}, False)
@@ -246,18 +242,27 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
     return out
 
 
+def _check_output_is_empty(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"output directory {str(out)!r} exists and is not empty")
+
+
+def _calibration(calib_data) -> tuple[str, str]:
+    """The calibration text and where it came from (``--calib-data`` or the built-in pydoc text)."""
+    from .calibration import calibration_text
+
+    if calib_data is not None:
+        return Path(calib_data).read_text(encoding="utf-8"), os.fspath(calib_data)
+    return calibration_text(), "pydoc_data.topics (even-indexed topics by name)"
+
+
 def _quantize_kv_only(model: str, out: Path, calib_data, num_tokens: int, cache_dir) -> Path:
     """``--scheme kv8``: OUT = the model's files + ``kv_cache_scales.json`` + the recipe."""
-    from .calibration import calibration_text
     from .models.loader import model_directory
     from .models.sources import resolve_model_source
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ValueError(f"output directory {str(out)!r} exists and is not empty")
-    if calib_data is not None:
-        calib_text, calib_source = Path(calib_data).read_text(encoding="utf-8"), os.fspath(calib_data)
-    else:
-        calib_text, calib_source = calibration_text(), "pydoc_data.topics (even-indexed topics by name)"
+    _check_output_is_empty(out)
+    calib_text, calib_source = _calibration(calib_data)
     source = resolve_model_source(model)
     model_dir = Path(model_directory(source, cache_dir))
     out.mkdir(parents=True, exist_ok=True)
