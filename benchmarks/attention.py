@@ -35,25 +35,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from backends.cpu import _build, attention  # noqa: E402
 from fxcompiler.ops.paged_attention import paged_attention_reference  # noqa: E402
-
-def _cpu_busy(window: float = 0.2) -> float:
-    """Fraction of all CPUs busy over `window` seconds (Linux /proc/stat)."""
-    def snap():
-        with open("/proc/stat") as f:
-            v = [int(t) for t in f.readline().split()[1:]]
-        return sum(v), v[3] + v[4]
-    a = snap()
-    time.sleep(window)
-    b = snap()
-    return 1.0 - (b[1] - a[1]) / max(1, b[0] - a[0])
-
-
-def wait_quiet(enabled: bool, threshold: float = 0.1, timeout: float = 60.0) -> None:
-    if not enabled or not os.path.exists("/proc/stat"):
-        return
-    t_end = time.time() + timeout
-    while time.time() < t_end and _cpu_busy() > threshold:
-        pass
+from linear_kernels import wait_quiet  # noqa: E402  (benchmarks/ is first on sys.path)
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -115,7 +97,7 @@ def bench_case(case: Case, candidates: dict, rounds: int, calls: int, quiet: boo
         for _ in range(min(case.n_layers, 64)):
             fn(*case.args())
     for _ in range(rounds):
-        wait_quiet(quiet)
+        wait_quiet(quiet, threshold=0.1)
         for name, fn in candidates.items():
             n = calls if name != "aten" else max(2, calls // 4)
             for _ in range(n):
