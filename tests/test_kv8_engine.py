@@ -1,0 +1,93 @@
+"""The int8 KV cache inside the engine: prefix caching, preemption, parallel samples (n > 1) and n-gram
+speculation give the tokens a plain KV8 run gives, with the same static scales, and return every block."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxcompiler import LLM, SamplingParams
+
+PREFIX = [(7 * i + 3) % 250 + 3 for i in range(45)]
+PROMPTS = [PREFIX[:30], PREFIX[:30] + [7, 7, 9], PREFIX + [11, 12], PREFIX[:13], [5, 6, 7, 5, 6, 7, 5, 6]]
+SP = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+def _llm(path, **kw) -> LLM:
+    kw.setdefault("enable_prefix_caching", False)
+    return LLM(str(path), dtype="float32", cache_dir=None, kv_cache_dtype="int8", max_seq_len_to_capture=128,
+               paged_attention_block_size=4, **kw)
+
+
+def _tokens(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _all_blocks_free(llm: LLM) -> None:
+    blocks = llm.engine.scheduler.blocks
+    blocks.check_invariants()
+    assert blocks.num_free_blocks == blocks.num_usable_blocks
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    llm = _llm(tiny_models["llama"])
+    assert llm.engine.runner.kv.k[0].dtype == torch.int8
+    outs = _tokens(llm.generate(None, SP, prompt_token_ids=PROMPTS))
+    yield llm.kv_cache_scales, outs
+    llm.shutdown()
+
+
+def test_prefix_cache_hits_give_the_same_tokens(tiny_models, reference):
+    scales, ref = reference
+    llm = _llm(tiny_models["llama"], kv_cache_scales=scales, enable_prefix_caching=True)
+    try:
+        first = _tokens(llm.generate(None, SP, prompt_token_ids=PROMPTS))
+        again = _tokens(llm.generate(None, SP, prompt_token_ids=PROMPTS))
+        assert llm.engine.stats.prefix_cache_hits > 0
+        assert first == ref and again == ref
+        _all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_preempted_requests_recompute_the_same_tokens(tiny_models, reference):
+    scales, ref = reference
+    llm = _llm(tiny_models["llama"], kv_cache_scales=scales, paged_attention_num_blocks=24)
+    try:
+        assert _tokens(llm.generate(None, SP, prompt_token_ids=PROMPTS)) == ref
+        assert llm.engine.stats.preemptions > 0
+        _all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_ngram_speculation_matches_plain_decoding(tiny_models, reference):
+    scales, ref = reference
+    llm = _llm(tiny_models["llama"], kv_cache_scales=scales, speculative_model="[ngram]", num_speculative_tokens=3)
+    try:
+        assert _tokens(llm.generate(None, SP, prompt_token_ids=PROMPTS)) == ref
+        st = llm.engine.stats
+        assert st.spec_accepted_tokens > 0 and st.spec_proposed_tokens > st.spec_accepted_tokens  # both paths ran
+        _all_blocks_free(llm)
+    finally:
+        llm.shutdown()
+
+
+def test_parallel_samples_sharing_prompt_blocks_equal_their_own_requests(tiny_models, reference):
+    """n = 3 samples fork one prompt's int8 blocks (and its scales); sample k draws from the seed
+    ``seed + k * 0x9E3779B97F4A7C15`` (runtime.admission.child_generator), so each must equal a request of
+    its own with that seed, whose blocks nobody shares."""
+    scales, _ = reference
+    seed, golden = 1234, 0x9E3779B97F4A7C15
+    llm = _llm(tiny_models["llama"], kv_cache_scales=scales, enable_prefix_caching=True)
+    try:
+        sp = dict(temperature=0.9, top_p=0.95, max_tokens=16, ignore_eos=True)
+        forks = llm.generate(None, SamplingParams(n=3, seed=seed, **sp), prompt_token_ids=PROMPTS[:3])
+        for prompt, out in zip(PROMPTS[:3], forks):
+            alone = [llm.generate(None, SamplingParams(seed=(seed + k * golden) % (1 << 64), **sp),
+                                  prompt_token_ids=[prompt])[0].outputs[0].token_ids for k in range(3)]
+            assert [c.token_ids for c in out.outputs] == alone
+            assert len({tuple(t) for t in alone}) > 1  # the samples differ: the forks really diverged
+        _all_blocks_free(llm)
+    finally:
+        llm.shutdown()
