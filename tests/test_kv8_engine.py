@@ -91,3 +91,18 @@ def test_parallel_samples_sharing_prompt_blocks_equal_their_own_requests(tiny_mo
         _all_blocks_free(llm)
     finally:
         llm.shutdown()
+
+
+def test_artifact_round_trip_keeps_the_int8_cache_and_its_scales(tiny_models, reference, tmp_path):
+    scales, ref = reference
+    path = tmp_path / "kv8-artifact"
+    built = _llm(tiny_models["llama"], kv_cache_scales=scales, artifacts_export_path=path)
+    built.shutdown()
+    loaded = LLM.load_artifact(path, cache_dir=None)
+    try:
+        assert loaded.engine.runner.kv.k[0].dtype == torch.int8
+        assert all(torch.equal(a, b) for a, b in zip(loaded.kv_cache_scales, scales))
+        assert _tokens(loaded.generate(None, SP, prompt_token_ids=PROMPTS)) == ref
+        _all_blocks_free(loaded)
+    finally:
+        loaded.shutdown()
