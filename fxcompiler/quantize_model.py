@@ -25,10 +25,12 @@ calibrating at start-up.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import secrets
 import sys
 from pathlib import Path
 
@@ -219,27 +221,47 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
                 tensors[f"{m}.{suffix}"] = t
         calib["note"] = "RTN reads no calibration data; the hash records what a calibrating algorithm would read"
         algo_record = {"observer": observer}
-    out.mkdir(parents=True, exist_ok=True)
-    for f in model_dir.iterdir():
-        if f.is_file() and f.name not in (QFORMAT_FILE, QPARAM_FILE, RECIPE_FILE):
-            shutil.copy2(f, out / f.name)
-    if algorithm == "smoothquant":
-        _rewrite_weights(out, smoothed)
-    sq_meta = {"smoothquant_alpha": str(smoothquant_alpha)} if algorithm == "smoothquant" else {}
-    write_qformat(out / QFORMAT_FILE, config_q, module_scheme, {},
-                  {"weight_calib_method": _calib_method(module_scheme, gptq.observer if algorithm == "gptq" else observer),
-                   "algorithm": algorithm, **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {}), **sq_meta})
-    save_qparam(out / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm, **sq_meta,
-                                             **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
-    recipe = {"scheme": scheme, "config": str(config_q), "algorithm": algorithm, "seed": seed,
-              "module_scheme": module_scheme.to_dict(), "modules": len(modules), "source_model": source.model_id,
-              "calibration": calib, ("gptq" if algorithm == "gptq" else "smoothquant" if algorithm == "smoothquant"
-                                     else "rtn"): algo_record,
-              "qformat_sha256": qparam_digest(out / QFORMAT_FILE), "qparam_sha256": qparam_digest(out / QPARAM_FILE)}
-    if kv8:
-        recipe["kv_cache"] = _write_kv_scales(out, calib_text, calib_source, kv_calib_tokens, cache_dir)
-    (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
+    with _staged(out) as stage:
+        for f in model_dir.iterdir():
+            if f.is_file() and f.name not in (QFORMAT_FILE, QPARAM_FILE, RECIPE_FILE):
+                shutil.copy2(f, stage / f.name)
+        if algorithm == "smoothquant":
+            _rewrite_weights(stage, smoothed)
+        sq_meta = {"smoothquant_alpha": str(smoothquant_alpha)} if algorithm == "smoothquant" else {}
+        w_observer = gptq.observer if algorithm == "gptq" else observer
+        write_qformat(stage / QFORMAT_FILE, config_q, module_scheme, {},
+                      {"weight_calib_method": _calib_method(module_scheme, w_observer), "algorithm": algorithm,
+                       **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {}), **sq_meta})
+        save_qparam(stage / QPARAM_FILE, tensors, {"scheme": scheme, "algorithm": algorithm, **sq_meta,
+                                                   **({"gptq_damp": str(gptq.damp)} if algorithm == "gptq" else {})})
+        recipe = {"scheme": scheme, "config": str(config_q), "algorithm": algorithm, "seed": seed,
+                  "module_scheme": module_scheme.to_dict(), "modules": len(modules), "source_model": source.model_id,
+                  "calibration": calib, ("gptq" if algorithm == "gptq" else "smoothquant" if algorithm == "smoothquant"
+                                         else "rtn"): algo_record,
+                  "qformat_sha256": qparam_digest(stage / QFORMAT_FILE),
+                  "qparam_sha256": qparam_digest(stage / QPARAM_FILE)}
+        if kv8:
+            recipe["kv_cache"] = _write_kv_scales(stage, calib_text, calib_source, kv_calib_tokens, cache_dir)
+        (stage / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     return out
+
+
+@contextlib.contextmanager
+def _staged(out: Path):
+    """A temporary sibling of ``out`` to write the model directory into, renamed to ``out`` when the
+    block succeeds and removed when it fails: an interrupted run never leaves a half-written ``out``
+    that ``LLM(out)`` would load (a killed one leaves only ``.OUT.partial-*``)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = out.parent / f".{out.name}.partial-{os.getpid()}-{secrets.token_hex(4)}"
+    stage.mkdir()  # the umask's mode, as out itself would get
+    try:
+        yield stage
+        if out.exists():
+            out.rmdir()  # checked empty before the work began
+        os.replace(stage, out)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
 
 
 def _check_output_is_empty(out: Path) -> None:
@@ -265,17 +287,13 @@ def _quantize_kv_only(model: str, out: Path, calib_data, num_tokens: int, cache_
     calib_text, calib_source = _calibration(calib_data)
     source = resolve_model_source(model)
     model_dir = Path(model_directory(source, cache_dir))
-    out.mkdir(parents=True, exist_ok=True)
-    try:
+    with _staged(out) as stage:
         for f in model_dir.iterdir():
             if f.is_file() and f.name not in (RECIPE_FILE,):
-                shutil.copy2(f, out / f.name)
+                shutil.copy2(f, stage / f.name)
         recipe = {"scheme": "kv8", "config": "KV8", "source_model": source.model_id,
-                  "kv_cache": _write_kv_scales(out, calib_text, calib_source, num_tokens, cache_dir)}
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)  # never a half-written model directory
-        raise
-    (out / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
+                  "kv_cache": _write_kv_scales(stage, calib_text, calib_source, num_tokens, cache_dir)}
+        (stage / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     return out
 
 

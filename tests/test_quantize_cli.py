@@ -137,3 +137,24 @@ def test_weight_scheme_plus_kv8_quantizes_both(tiny_models, tmp_path):
     data = json.loads((out / "kv_cache_scales.json").read_text())
     assert _scales(llm) == [data["k_scale"], data["v_scale"]]
     llm.shutdown()
+
+
+@pytest.mark.parametrize("scheme", ["w8a16+kv8", "kv8"])
+def test_a_failed_quantization_leaves_no_model_directory(tiny_models, tmp_path, monkeypatch, scheme):
+    """OUT is written under a temporary sibling and renamed at the end: a failure in the last step (the KV
+    scales' calibration) leaves neither OUT (which LLM(OUT) would load half-written) nor the sibling, and
+    an empty OUT given by the user stays as it was."""
+    import fxcompiler.quantize_model as qm
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("calibration failed")
+
+    monkeypatch.setattr(qm, "_write_kv_scales", fail)
+    out = tmp_path / "q"
+    with pytest.raises(RuntimeError, match="calibration failed"):
+        qm.quantize_model(str(tiny_models["llama"]), out, scheme, cache_dir=None, progress=False)
+    assert list(tmp_path.iterdir()) == []
+    out.mkdir()
+    with pytest.raises(RuntimeError, match="calibration failed"):
+        qm.quantize_model(str(tiny_models["llama"]), out, scheme, cache_dir=None, progress=False)
+    assert list(tmp_path.iterdir()) == [out] and list(out.iterdir()) == []
