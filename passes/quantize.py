@@ -23,10 +23,11 @@ the compile-cache key), absent or None = nothing to do:
 * ``lm_head``: also quantize the output projection (the tied embedding's ``lm_head``) to int8 — per
   channel, or the GGUF's own Q8_0 blocks when the embedding is Q8_0, as llama.cpp computes it;
   kept in float by default (it is the most sensitive matmul);
-* ``gguf``: ``{"path": ..., "num_heads": H, "num_kv_heads": Hkv}``: use the GGUF's Q4_0/Q4_1/Q8_0
-  blocks as they are (:mod:`fxcompiler.models.gguf_quant`) for every matmul whose parameters all
-  have one, and check that they dequantise bit-exactly to the float parameter transformers made
-  of them (a mismatch raises: it would mean a wrong name or row mapping).
+* ``gguf``: ``{"path": ..., "num_heads": H, "num_kv_heads": Hkv}``: use the GGUF's Q4_0/Q4_1/Q4_K
+  (int4) and Q8_0/Q5_0/Q6_K (int8) blocks as they are (:mod:`fxcompiler.models.gguf_quant`) for every
+  matmul whose parameters all have one of the same layout, and check that they dequantise bit-exactly
+  to the float parameter transformers made of them (a mismatch raises: it would mean a wrong name or
+  row mapping); the rest stays in float, logged with the reason.
 
 Ensures: each rewritten matmul (``+ bias``) computes ``x @ dequant(Wq)`` with fp32 accumulation; with
 ``gguf`` that is exactly the captured float weight, so the function is unchanged up to accumulation
@@ -71,6 +72,19 @@ def _native_name(name: str, tensors: dict) -> str:
         if cand == "lm_head.weight" and "model.embed_tokens.weight" in tensors:
             return "model.embed_tokens.weight"
     return name
+
+
+def _log_dequantised(skipped: dict[str, str], mixed: dict[str, str]) -> None:
+    """Say which GGUF tensors run dequantised, and why (the pass keeps their float copies)."""
+    by_reason: dict[str, int] = {}
+    for reason in skipped.values():
+        by_reason[reason] = by_reason.get(reason, 0) + 1
+    for reason, count in sorted(by_reason.items()):
+        log.info("quantize: %d GGUF tensor(s) kept dequantised: %s", count, reason)
+    if mixed:
+        target, types = next(iter(mixed.items()))
+        log.info("quantize: %d fused matmul(s) kept dequantised: their GGUF tensors have different layouts "
+                 "(e.g. %s: %s)", len(mixed), target, types)
 
 
 def _module_name(param: str) -> str:
@@ -176,6 +190,7 @@ class QuantizePass:
         info["dropped_params"] = ctx.drop_unused_params(gm)
         if native is not None:
             info["gguf_skipped"] = dict(native.skipped)
+            _log_dequantised(native.skipped, info.get("gguf_mixed", {}))
         log.info("quantize: %d matmuls quantized (%d from the checkpoint's blocks, %d RTN), %d kept",
                  info["quantized"], info["native"], info["rtn"], info["kept"])
         return PassResult(gm, info["quantized"] > 0, info)
@@ -213,8 +228,10 @@ class QuantizePass:
             names = [_native_name(n, native.tensors) for n in names]
         if native is not None and all(n in native.tensors for n in names):
             parts = [native.tensors[n] for n in names]
-            if len({p.bits for p in parts}) == 1:
+            if len({(p.bits, p.group) for p in parts}) == 1:
                 from_ckpt = parts
+            else:  # e.g. Q4_K_M's Q4_K q/k beside a Q6_K v, fused into one matmul: one layout cannot hold both
+                info.setdefault("gguf_mixed", {})[target] = "+".join(p.gguf_type for p in parts)
         if from_ckpt is not None:
             exact = self._check_exact(from_ckpt, w_kn, target)
             info["exact_checked"] += exact
@@ -223,8 +240,9 @@ class QuantizePass:
             info["native"] += 1
             if from_ckpt[0].bits == 4:
                 mins = torch.cat([p.mins for p in from_ckpt], 0)
-                q, s, m = pack_int4(codes, scales, mins, 32)
-                return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (32,)
+                group = from_ckpt[0].group
+                q, s, m = pack_int4(codes, scales, mins, group)
+                return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
             q, s, gs = pack_int8_codes(codes, scales)
             return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
         weight = scheme["weight"]

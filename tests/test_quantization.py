@@ -55,16 +55,26 @@ def test_from_qformat_reads_furiosa_metadata_line(tmp_path):
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (QuantizationConfig.w_i8_a_i8_kv_i8(), "W8A8KV8: an int8 KV cache needs scales"),
     (QuantizationConfig("int4", "int8"), "int8 activations are built with int8 weights only"),
     (QuantizationConfig.w_f8_a_f8(), "Wf8Af8KV16: fp8 activations need per-token fp8 activation quantization"),
     (QuantizationConfig.w_f8_a_f8_kv_f8(), "fp8 activations need .*Wf8A16, Wf8A32"),
-    (QuantizationConfig("int8", "bf16", "int8"), "KV cache needs scales"),
-    (QuantizationConfig("fp8", "bf16", "fp8"), "Wf8A16KVf8: an fp8 KV cache needs scales"),
+    (QuantizationConfig("fp8", "bf16", "fp8"), "Wf8A16KVf8: an fp8 KV cache needs fp8 blocks and scales"),
+    (QuantizationConfig.w_4_a_16_kv_f8(), "W4A16KVf8: an fp8 KV cache .* the int8 KV cache .* is"),
 ])
 def test_unimplemented_schemes_raise_with_reason(cfg, match):
     with pytest.raises(NotImplementedError, match=match):
         quantization_options(cfg)
+
+
+@pytest.mark.parametrize("cfg, weight", [(QuantizationConfig.w_i8_a_i8_kv_i8(), "int8"),
+                                         (QuantizationConfig("int8", "bf16", "int8"), "int8"),
+                                         (QuantizationConfig("int4", "bf16", "int8"), "int4")])
+def test_kv8_schemes_quantize_the_weights_and_name_an_int8_cache(cfg, weight):
+    from fxcompiler.quant_options import quantized_kv_dtype
+
+    opts, _ = quantization_options(cfg)
+    assert opts["weight"] == weight and opts["scheme"] == str(cfg)
+    assert quantized_kv_dtype(cfg) == QDtype.INT8
 
 
 def test_quantization_option_errors(tmp_path):
@@ -208,6 +218,61 @@ def test_gguf_blocks_decode_to_gguf_py_dequantisation(n, g, qtype, seed):
         assert torch.equal(dequantize_linear_weight_int4(packed, s, m, n, 32), got)
 
 
+_FP16_OFFSETS = {"Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # where each block keeps its fp16 d (and dmin)
+
+
+def _random_blocks(rng, qtype: str, n: int, k: int) -> np.ndarray:
+    """Random raw rows of ``qtype``: every byte pattern is a valid block once its fp16 fields are finite."""
+    from fxcompiler.models.gguf_quant import BLOCK_BYTES, BLOCK_VALUES
+
+    nb, size = k // BLOCK_VALUES[qtype], BLOCK_BYTES[qtype]
+    raw = rng.integers(0, 256, (n * nb, size), dtype=np.uint8)
+    for off in _FP16_OFFSETS[qtype]:
+        raw[:, off:off + 2] = (rng.standard_normal((n * nb, 1)) * 0.05).astype(np.float16).view(np.uint8)
+    return raw.reshape(n, nb * size)
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 12), blocks=st.integers(1, 3), qtype=st.sampled_from(["Q5_0", "Q4_K", "Q6_K"]),
+       seed=st.integers(0, 999))
+def test_gguf_k_quant_and_q5_0_blocks_decode_bit_for_bit(n, blocks, qtype, seed):
+    """Q4_K (int4, scale and min per 32), Q6_K (int8, scale per 16) and Q5_0 (int8, scale per 32) decode to
+    codes whose dequantisation is gguf-py's bit for bit, and survive the ops' packers."""
+    from gguf import GGMLQuantizationType, quants
+
+    from fxcompiler.models.gguf_quant import BLOCK_VALUES, NativeTensor, decode_blocks
+    from passes.quantize import pack_int8_codes
+
+    rng = np.random.default_rng(seed)
+    k = BLOCK_VALUES[qtype] * blocks
+    raw = _random_blocks(rng, qtype, n, k)
+    ref = torch.from_numpy(np.ascontiguousarray(quants.dequantize(raw, getattr(GGMLQuantizationType, qtype)))).reshape(n, k)
+    codes, scales, mins = decode_blocks(raw, qtype, k)
+    t = NativeTensor("t", qtype, codes, scales, mins)
+    got = t.dequantize()
+    assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert scales.shape == (n, k // t.group)
+    if t.bits == 4:
+        assert mins is not None and int(codes.min()) >= 0 and int(codes.max()) <= 15
+        packed, s, m = pack_int4(codes, scales, mins, t.group)
+        assert torch.equal(dequantize_linear_weight_int4(packed, s, m, n, t.group), got)
+    else:
+        assert mins is None and codes.dtype == torch.int8
+        assert (-32 if qtype == "Q6_K" else -16) <= int(codes.min()) and int(codes.max()) <= (31 if qtype == "Q6_K" else 15)
+        packed, s, gs = pack_int8_codes(codes, scales)
+        assert gs == (-1 if k == t.group else t.group)  # one group a row is per channel
+        assert torch.equal(dequantize_linear_weight_int8(packed, s, n, gs), got)
+
+
+def test_gguf_k_quant_row_length_must_hold_whole_super_blocks():
+    from fxcompiler.models.gguf_quant import decode_blocks
+
+    with pytest.raises(ValueError, match="Q4_K: row length 96 is not a multiple of 256"):
+        decode_blocks(np.zeros((2, 54), np.uint8), "Q4_K", 96)
+    with pytest.raises(ValueError, match="Q6_K: rows of 200 bytes, expected 210 for K=256"):
+        decode_blocks(np.zeros((2, 200), np.uint8), "Q6_K", 256)
+
+
 def test_reverse_permutation_matches_transformers():
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
@@ -300,8 +365,8 @@ def test_quantize_pass_lm_head_option_and_errors():
 
 # -- LLM arguments (validated before any model is loaded) ------------------------------------------------------
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_i8_a_i8_kv_i8())), NotImplementedError,
-     "an int8 KV cache needs scales"),
+    (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_4_a_16_kv_f8())), NotImplementedError,
+     "an fp8 KV cache needs"),
     (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_f8_a_f8())), NotImplementedError,
      "fp8 activations need"),
     (dict(quantization_group_size=64, llm_config=LLMConfig(quantization_config=QuantizationConfig.w_f8_a_16())),
