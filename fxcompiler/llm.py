@@ -244,9 +244,20 @@ class LLM:
         if spec_request is not None and kv_cache_sharing_across_beams_config is not None:
             raise ValueError("speculative_model cannot be combined with kv_cache_sharing_across_beams_config: that "
                              "engine serves beam search only, and beam search runs without speculation")
-        if kv_cache_scales is not None and kv_cache_dtype != "int8":
+        from .quant_config import QDtype
+        from .quant_options import quantized_kv_dtype
+
+        kv_quant = quantized_kv_dtype(quant_args["quantization_config"], quant_args["qformat_path"])
+        given_kv = getattr(quant_args["quantization_config"], "kv_cache", None)
+        if given_kv is not None and given_kv.is_float and kv_cache_dtype == "int8":
+            raise ValueError(f"kv_cache_dtype='int8' conflicts with llm_config.quantization_config="
+                             f"{quant_args['quantization_config']} (a {given_kv.value} KV cache); use a KV8 scheme "
+                             "there (e.g. W8A16KV8) or leave kv_cache_dtype unset")
+        if kv_cache_scales is not None and kv_cache_dtype != "int8" and kv_quant != QDtype.INT8:
             raise ValueError("kv_cache_scales is given only with kv_cache_dtype='int8'")
-        if kv_cache_dtype == "auto" and qformat_path is not None and kv_cache_scales is None:
+        if given_kv is not None and given_kv.is_float:
+            pass  # llm_config names a float KV cache: a kv_cache_scales.json beside the model is not used
+        elif kv_cache_dtype == "auto" and qformat_path is not None and kv_cache_scales is None:
             from .kv_cache_quant import KV_SCALES_FILE
 
             scales_file = Path(os.fspath(qformat_path)).parent / KV_SCALES_FILE
@@ -257,6 +268,8 @@ class LLM:
 
             if (Path(os.fspath(model)) / KV_SCALES_FILE).is_file():
                 kv_cache_dtype, kv_cache_scales = "int8", Path(os.fspath(model)) / KV_SCALES_FILE
+        if kv_quant == QDtype.INT8:  # W8A16KV8, w_i8_a_i8_kv_i8, --kv_dtype int8: the int8 cache (scales
+            kv_cache_dtype = "int8"  # from kv_cache_scales / a kv_cache_scales.json, else calibrated at build)
         if kv_cache_dtype == "int8":
             if tensor_parallel_size * pipeline_parallel_size > 1:
                 raise NotImplementedError("kv_cache_dtype='int8' with tensor/pipeline parallelism: the rank workers "

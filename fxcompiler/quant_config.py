@@ -210,9 +210,10 @@ def supported_reason(config: QuantizationConfig) -> str | None:
         return (f"{config}: fp8 activations need per-token fp8 activation quantization and an fp8 x fp8 matmul "
                 "kernel, which are not implemented yet; fp8 weights with bf16 or fp32 activations (Wf8A16, "
                 "Wf8A32: fxc::linear_f8) are")
-    if config.kv_cache in (QDtype.INT8, QDtype.FP8):
-        return (f"{config}: an {config.kv_cache.value} KV cache needs scales inside the paged-attention kernels, "
-                "which are not implemented yet (a cast without scales would silently lose accuracy)")
+    if config.kv_cache == QDtype.FP8:
+        return (f"{config}: an fp8 KV cache needs fp8 blocks and scales inside the paged-attention kernels, which "
+                "are not implemented yet (a cast without scales would silently lose accuracy); the int8 KV cache "
+                "(KV8, kv_cache_dtype='int8') is")
     if config.weight == QDtype.FP32 and config.activation != QDtype.FP32:
         return f"{config}: fp32 weights with {config.activation.value} activations is not a supported scheme"
     return None

@@ -180,6 +180,18 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
     return (opts or None), bf16
 
 
+def quantized_kv_dtype(quantization_config: QuantizationConfig | None, qformat_path=None) -> QDtype | None:
+    """The KV-cache dtype the quantization arguments name (a qformat's ``--kv_dtype``, cross-checked against
+    ``llm_config.quantization_config``, else the config's ``kv_cache``), or None when they name none.
+    ``QDtype.INT8`` turns on the int8 KV cache (``kv_cache_dtype="int8"``, docs/quantization.md KV8)."""
+    if qformat_path is not None:
+        from .qformat import load_qformat
+
+        fmt = load_qformat(qformat_path)
+        return _cross_check(fmt.config, quantization_config, fmt.path).kv_cache
+    return None if quantization_config is None else quantization_config.kv_cache
+
+
 def _cross_check(fmt: QuantizationConfig, given: QuantizationConfig | None, path: str) -> QuantizationConfig:
     """The qformat's config, checked against ``llm_config.quantization_config`` as furiosa does: the weight
     and activation dtypes must agree, and so must the KV-cache dtype; the KV cache of a float scheme is
@@ -195,5 +207,6 @@ def _cross_check(fmt: QuantizationConfig, given: QuantizationConfig | None, path
         raise NotImplementedError(f"qformat_path={path!r}: {reason}")
     if kv is not None and kv.is_float and kv != QDtype.FP8 and kv != fmt.activation and fmt.activation.is_float:
         raise ValueError(f"qformat_path={path!r}: --kv_dtype {kv.value} with --act_dtype {fmt.activation.value}: the "
-                         "KV cache is kept in the activation dtype (int8/fp8 caches are not implemented)")
+                         "KV cache is kept in the activation dtype (or int8: --kv_dtype int8; fp8 caches are not "
+                         "implemented)")
     return QuantizationConfig(fmt.weight, fmt.activation, kv, fmt.use_mcp)

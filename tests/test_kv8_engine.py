@@ -106,3 +106,45 @@ def test_artifact_round_trip_keeps_the_int8_cache_and_its_scales(tiny_models, re
         _all_blocks_free(loaded)
     finally:
         loaded.shutdown()
+
+
+def test_a_kv8_quantization_config_turns_on_the_int8_cache(tiny_models, reference, tmp_path):
+    """furiosa's KV8 schemes (``W8A16KV8``, ``w_i8_a_i8_kv_i8``, a qformat's ``--kv_dtype int8``) run the int8 cache
+    with the weight scheme: the same tokens as the weight scheme with ``kv_cache_dtype="int8"`` and the same scales."""
+    from fxcompiler import LLMConfig, QuantizationConfig
+
+    scales, _ = reference
+    path = tiny_models["llama"]
+    ref = _llm(path, kv_cache_scales=scales, llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W8A32")))
+    try:
+        want = _tokens(ref.generate(None, SP, prompt_token_ids=PROMPTS))
+    finally:
+        ref.shutdown()
+    qformat = tmp_path / "qformat.yaml"
+    qformat.write_text("--weight_dtype int8 --act_dtype fp32 --kv_dtype int8\nmodules:\n  \"*\": {weight: int8}\n")
+    for kw in (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W8A32KV8"))),
+               dict(qformat_path=qformat)):
+        llm = LLM(str(path), dtype="float32", cache_dir=None, max_seq_len_to_capture=128, paged_attention_block_size=4,
+                  enable_prefix_caching=False, kv_cache_scales=scales, **kw)
+        try:
+            assert llm.kv_cache_dtype == "int8" and llm.engine.runner.kv.k[0].dtype == torch.int8
+            assert llm.quantization is not None
+            assert _tokens(llm.generate(None, SP, prompt_token_ids=PROMPTS)) == want
+            _all_blocks_free(llm)
+        finally:
+            llm.shutdown()
+    w8a8 = LLM(str(path), dtype="float32", cache_dir=None, max_seq_len_to_capture=128, paged_attention_block_size=4,
+               kv_cache_scales=scales, llm_config=LLMConfig(quantization_config=QuantizationConfig.w_i8_a_i8_kv_i8()))
+    try:
+        assert w8a8.kv_cache_dtype == "int8" and w8a8.engine.runner.kv.k[0].dtype == torch.int8
+        assert len(w8a8.generate(None, SP, prompt_token_ids=PROMPTS[:2])[0].outputs[0].token_ids) == 20
+    finally:
+        w8a8.shutdown()
+
+
+def test_a_float_kv_quantization_config_conflicts_with_an_int8_cache(tiny_models):
+    from fxcompiler import LLMConfig, QuantizationConfig
+
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' conflicts with llm_config.quantization_config=W8A16KV16"):
+        LLM(str(tiny_models["llama"]), kv_cache_dtype="int8",
+            llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W8A16KV16")))

@@ -225,11 +225,9 @@ def test_npz_qparam_is_read_without_pickle(program, tmp_path):
     ("--weight_dtype fp8 --act_dtype fp8 --kv_dtype bf16\n", "", NotImplementedError,
      "Wf8Af8KV16: fp8 activations need per-token fp8 activation quantization"),
     ("--weight_dtype fp8 --act_dtype bf16 --kv_dtype fp8-E4M3\n", "", NotImplementedError,
-     "an fp8 KV cache needs scales"),
-    ("--weight_dtype int8 --act_dtype int8 --kv_dtype int8\n", "", NotImplementedError, "W8A8KV8: an int8 KV cache"),
+     "an fp8 KV cache needs fp8 blocks and scales"),
     ("--weight_dtype int8 --act_dtype fp32 --kv_dtype bf16\n", "", ValueError,
      "--kv_dtype bf16 with --act_dtype fp32: the KV cache is kept in the activation dtype"),
-    ("--weight_dtype int8 --act_dtype bf16 --kv_dtype int8\n", "", NotImplementedError, "KV cache needs scales"),
 ])
 def test_bad_qformat(tmp_path, meta, body, exc, match):
     qf = _qformat(tmp_path, body, meta)
