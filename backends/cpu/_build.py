@@ -274,6 +274,20 @@ def set_bf16dot(on: bool) -> bool:
     return _state["bf16dot"]
 
 
+def set_prefetch(on: bool) -> bool:
+    """Switch the linear kernels' software prefetch of weight streams on/off in this process (benchmarks,
+    tests); returns the new state. The default is off on AMD CPUs, on elsewhere; ``FXCOMPILER_CPU_PREFETCH=0/1``
+    sets it for a whole process."""
+    if not ensure_loaded():
+        return False
+    return bool(_state["lib"].fxc_set_prefetch(int(bool(on))))
+
+
+def prefetch_enabled() -> bool:
+    """Whether the loaded linear kernels issue software prefetches (False without kernels)."""
+    return bool(ensure_loaded() and _state["lib"].fxc_kernels_prefetch())
+
+
 def load_op_library(prefix: str, source, extra_flags=()) -> str:
     """Build (once per content) and load a source that only registers ``fxc::`` kernels (no Python module)
     for this CPU's ISA, into its own cache entry ``<prefix>_<isa>_<digest>``; returns the ISA."""

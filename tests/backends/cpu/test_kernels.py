@@ -64,6 +64,31 @@ def test_kernels_built():
         assert fxc.isa() == expected, f"asked for {expected}, running {fxc.isa()}"
 
 
+def test_software_prefetch_switch_leaves_results_unchanged():
+    """The weight-stream prefetch (off by default on AMD CPUs, on elsewhere; FXCOMPILER_CPU_PREFETCH decides)
+    changes timing only: every path gives the same bits with it on and off."""
+    if not fxc.kernels_available():
+        pytest.skip("no C++ kernels here")
+    with open("/proc/cpuinfo") as f:
+        amd = "AuthenticAMD" in f.read()
+    env = os.environ.get("FXCOMPILER_CPU_PREFETCH")
+    assert _build.prefetch_enabled() == (env == "1" if env in ("0", "1") else not amd)
+    before = _build.prefetch_enabled()
+    try:
+        for m, wdt, xdt in [(1, torch.float32, torch.float32), (1, torch.bfloat16, torch.bfloat16),
+                            (3, torch.bfloat16, torch.float32), (17, torch.bfloat16, torch.bfloat16), (40, torch.float32, torch.float32)]:
+            w = _rand(70, 96, seed=m)
+            packed = fxc.pack_linear_weight(w, wdt)
+            x = _rand(m, 96, seed=m + 1, dtype=xdt)
+            outs = []
+            for on in (True, False):
+                assert _build.set_prefetch(on) is on
+                outs.append(torch.ops.fxc.linear(x, packed, None, 70))
+            assert torch.equal(outs[0], outs[1]), (m, wdt, xdt)
+    finally:
+        _build.set_prefetch(before)
+
+
 @st.composite
 def problems(draw):
     m = draw(st.integers(1, 64))
