@@ -21,7 +21,17 @@
 // One source, two instruction sets: the Ops structs below are AVX-512 (zmm, mask registers) in an
 // avx512 build and AVX2/FMA (ymm, blends) in an avx2 build (FXCOMPILER_CPU_ISA=avx2); double caches
 // use a portable lane loop.
-#include <torch/extension.h>
+// ATen's headers only (not torch/extension.h, whose pybind11 and torch API headers tripled the build time);
+// the Python bindings live in paged_attention.cpp.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
+namespace torch {
+using namespace at;  // the torch:: names below (Tensor, empty, kLong, ...) are ATen's
+}  // namespace torch
 #include <ATen/Parallel.h>
 
 #include <algorithm>

@@ -1,6 +1,17 @@
 // CPU kernels for fxc::rms_norm, fxc::silu_mul and fxc::rope (fp32 vectorised; bf16 silu_mul and
 // rope vectorised with AVX-512, op for op like ATen; other dtypes via fp32/fp64 math or ATen).
-#include <torch/extension.h>
+// ATen's headers only (not torch/extension.h, whose pybind11 and torch API headers tripled the build time);
+// the Python bindings live in paged_attention.cpp.
+#include <ATen/Dispatch.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
+namespace torch {
+using namespace at;  // the torch:: names below (Tensor, empty, kLong, ...) are ATen's
+}  // namespace torch
 #include <ATen/Parallel.h>
 
 #include <array>

@@ -11,7 +11,23 @@
 // (fxcompiler/ops/paged_attention.py); the write quantizes (nearbyint(x / s), clamped to +-127), the
 // attention converts codes to fp32 in registers (exact) and applies the scales outside the inner
 // loops: k_scale is folded into the pre-scaled query row, v_scale into the final normalisation.
-#include <torch/extension.h>
+// pybind11 with torch's Tensor casters and ATen's headers, not torch/extension.h (the whole C++ frontend API):
+// the same bindings, half the build time.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+#include <ATen/Dispatch.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/matmul.h>
+#include <ATen/ops/scaled_dot_product_attention.h>
+#include <ATen/ops/softmax.h>
+#include <ATen/ops/tanh.h>
+namespace torch {
+using namespace at;  // the torch:: names below (Tensor, empty, arange, kDouble) are ATen's
+}  // namespace torch
 #include <ATen/Parallel.h>
 
 #include <algorithm>
