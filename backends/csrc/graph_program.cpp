@@ -7,7 +7,8 @@
 // slots whose last reader it was. run() executes the whole program with the GIL released:
 // ~0.3 us of interpretation per node instead of the ~3 us a Python-level op call costs.
 // Kernels implemented in Python still work: the dispatcher takes the GIL for them.
-#include <torch/extension.h>
+// torch's pybind11 and JIT value conversions, not torch/extension.h (the whole C++ frontend API).
+#include <torch/csrc/utils/pybind.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -15,7 +15,14 @@
 // after finishing call s. Tensors larger than a slot go through in chunks (one sequence each).
 // Waiting spins with pause, then yields the core (ranks may outnumber cores).
 
-#include <torch/extension.h>
+// pybind11 with torch's Tensor casters, torch::Library and ATen's headers, not torch/extension.h (the whole C++
+// frontend API), which tripled the build time.
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <atomic>
