@@ -37,7 +37,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     q.add_argument("--quantization-group-size", type=int, default=None,
                    help="int4: 32, 64 or 128 (default 128); int8: -1 per channel (default) or a divisor of K")
     q.add_argument("--keep-gguf-quantization", action="store_true",
-                   help="run a GGUF (e.g. the embedded Q4_1 default) on its own Q4_0/Q4_1/Q8_0 blocks, not dequantised")
+                   help="run a GGUF (e.g. the embedded Q4_1 default) on its own Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks, not dequantised")
     q.add_argument("--quantize-lm-head", action="store_true", help="also quantize lm_head (int8, Q8_0 from a GGUF)")
 
 

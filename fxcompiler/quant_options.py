@@ -7,9 +7,9 @@
   channel with per-token int8 activations (``activation: int8``, ``fxc::linear_w8a8``; fp32 elsewhere);
   everything else raises ``NotImplementedError`` with the reason (:func:`quant_config.supported_reason`).
 * ``keep_gguf_quantization=True`` (a GGUF source, e.g. the embedded default): the checkpoint's
-  Q4_0/Q4_1/Q8_0 blocks are used as they are (exact); other tensors stay as transformers
+  Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks are used as they are (exact); other tensors stay as transformers
   dequantised them. With a weight scheme as well, the matmuls without native blocks get that scheme.
-* ``quantize_lm_head=True``: the output projection is quantized too (int8; Q8_0 blocks of a GGUF's
+* ``quantize_lm_head=True``: the output projection is quantized too (int8, or the native blocks of a GGUF's
   tied ``token_embd``), as llama.cpp does; it is kept in float by default.
 * ``qformat_path`` (+ ``qparam_path``): per-module schemes and, optionally, their scales
   (:mod:`fxcompiler.qformat`, :mod:`fxcompiler.qparam`), cross-checked against ``llm_config``;

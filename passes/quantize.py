@@ -15,13 +15,13 @@ the compile-cache key), absent or None = nothing to do:
   ``"fp8"`` → ``fxc::linear_f8`` (e4m3 codes, one scale ``amax / 448`` per output channel);
   ``"native"`` → only the checkpoint's own quantized tensors (``gguf``), everything else kept;
 * ``activation``: ``"int8"`` (W8A8) → the int8 per-channel matmuls become ``fxc::linear_w8a8`` (per-token
-  dynamic int8 activations); an int8 group size, int4 or fp8 with it raises; a GGUF's native Q8_0 blocks stay
+  dynamic int8 activations); an int8 group size, int4 or fp8 with it raises; a GGUF's native blocks stay
   weight-only. ``smoothquant``: the qparam must carry ``M.smooth_factor`` ``[K]`` for every quantized module
   (recorded and checked, positive and finite; ``fxcompiler quantize`` has already folded them into the
   float weights it writes, :mod:`fxcompiler.smoothquant`);
 * ``symmetric`` (int4 only): Q4_0-style codes instead of Q4_1-style;
 * ``lm_head``: also quantize the output projection (the tied embedding's ``lm_head``) to int8 — per
-  channel, or the GGUF's own Q8_0 blocks when the embedding is Q8_0, as llama.cpp computes it;
+  channel, or the GGUF's own blocks of the embedding (Q8_0, Q6_K, Q4_K, ...), as llama.cpp computes it;
   kept in float by default (it is the most sensitive matmul);
 * ``gguf``: ``{"path": ..., "num_heads": H, "num_kv_heads": Hkv}``: use the GGUF's Q4_0/Q4_1/Q4_K
   (int4) and Q8_0/Q5_0/Q6_K (int8) blocks as they are (:mod:`fxcompiler.models.gguf_quant`) for every
