@@ -76,6 +76,41 @@ def test_kernel_matches_reference(kernels, seed, B, Hkv, G, D, bs, S, ctx, bf16,
     assert out.dtype == dtype
 
 
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**16), B=st.integers(1, 2), Hkv=st.integers(1, 3), G=st.sampled_from([1, 3, 4]),
+       S=st.sampled_from([2, 7, 20]), ctx=st.lists(st.integers(0, 40), min_size=2, max_size=2), bf16=st.booleans(),
+       window=st.sampled_from([-1, 8]))
+def test_flash_int8_tiles_match_the_decode_kernel_and_the_reference(kernels, seed, B, Hkv, G, S, ctx, bf16, window):
+    """Multi-token calls on an int8 cache take the flash kernel's int8 tiles (forced here for every shape with
+    ``_set_flash_min_rows(1)``; the decode kernel with a huge threshold): both equal the reference within the
+    bounds of test_kernel_matches_reference, and write the same codes."""
+    from backends.cpu.attention import kernel_module
+
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    D, bs = 32, 4
+    q, k, v, kc, vc, bt, slot, qpos, sl = _problem(seed, B, Hkv, G, D, bs, S, ctx + [0], dtype)
+    ref = paged_attention_reference(q.float(), k.float(), v.float(), kc.clone(), vc.clone(), bt, slot, qpos, sl,
+                                    D ** -0.5, window)
+    mod = kernel_module()
+    outs, caches = [], []
+    for rows in (1, 10 ** 9):  # flash, then decode
+        old = mod._set_flash_min_rows(rows)
+        try:
+            kc2, vc2 = kc.clone(), vc.clone()
+            outs.append(torch.ops.fxc.paged_attention(q, k, v, kc2, vc2, bt, slot, qpos, sl, D ** -0.5, window))
+            caches.append((kc2, vc2))
+        finally:
+            mod._set_flash_min_rows(old)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+    for out in outs:
+        assert out.dtype == dtype
+        if bf16:
+            v_max = 127 * kv8_scales(vc).max().item()
+            torch.testing.assert_close(out.float(), ref, atol=6 * 2 ** -8 * v_max, rtol=0)
+        else:
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), Hkv=st.integers(1, 4), amp=st.floats(0.01, 50.0), bf16=st.booleans())
 def test_write_round_trips_within_half_a_scale(kernels, seed, Hkv, amp, bf16):

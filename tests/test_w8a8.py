@@ -154,15 +154,15 @@ def test_kernel_rejects_misshapen_inputs():
 
 
 # -- config, pass -------------------------------------------------------------------------------------------------
-def test_w8a8_config_is_accepted_and_kv8_refused():
+def test_w8a8_configs_are_accepted():
     opts, bf16 = quantization_options(QuantizationConfig.w_i8_a_i8())
     assert opts["weight"] == "int8" and opts["activation"] == "int8" and opts["group_size"] == -1 and not bf16
     assert opts["lm_head"] is False and opts["scheme"] == "W8A8KV16"
     opts, bf16 = quantization_options(QuantizationConfig.from_str("W8A8"))
     assert (opts["weight"], opts["activation"], opts["group_size"], opts["scheme"], bf16) == ("int8", "int8", -1,
                                                                                               "W8A8", False)
-    with pytest.raises(NotImplementedError, match="W8A8KV8: an int8 KV cache needs scales"):
-        quantization_options(QuantizationConfig.w_i8_a_i8_kv_i8())
+    opts, bf16 = quantization_options(QuantizationConfig.w_i8_a_i8_kv_i8())  # + the int8 KV cache (KV8)
+    assert (opts["weight"], opts["activation"], opts["scheme"], bf16) == ("int8", "int8", "W8A8KV8", False)
     with pytest.raises(ValueError, match="quantization_group_size=64 with W8A8"):
         quantization_options(QuantizationConfig.w_i8_a_i8(), group_size=64)
 

@@ -11,7 +11,9 @@
 //   output  O^T[d] = O^T[d] * corr + sum_t V[t][d] * P^T[t]
 // so there are no horizontal reductions and no transposes in the inner loops; each K/V row is read
 // once per tile, for all of the tile's rows.  fp32 accumulation (fp64 for double caches); bf16 and fp16
-// rows are converted to fp32 exactly into a 16-row buffer per step.  Logit softcap (tanh) and sinks
+// rows, and the int8 codes of a KV8 cache, are converted to fp32 exactly into a 16-row buffer per step
+// (KV8: the tile's k_scale is folded into the pre-scaled query, its v_scale into the final normalisation,
+// as the decode kernel does).  Logit softcap (tanh) and sinks
 // (one extra logit per query head in the denominator) as in the decode kernel and the ATen reference.
 //
 // Threads: work items are (tile, context piece).  When there are few tiles (batch 1, a verify step),
@@ -156,12 +158,12 @@ struct OpsF256 {
 // Problem, tiles, items.
 // ---------------------------------------------------------------------------------------------
 
-template <typename scalar_t>
+template <typename scalar_t, typename cache_t = scalar_t>
 struct Problem {
   const scalar_t* q;  // [B, Hq, S, D], strides qs
   int64_t qs[4];
-  const scalar_t* kc;
-  const scalar_t* vc;
+  const cache_t* kc;  // scalar_t, or int8 codes (KV8) with the scales below
+  const cache_t* vc;
   int64_t B, Hq, Hkv, G, S, D, bs, MB, block_stride, tok_stride;
   const int64_t* bt;  // [B, MB] contiguous
   const int64_t* qp;  // [B, S] contiguous
@@ -170,11 +172,13 @@ struct Problem {
   double scale, softcap;
   const double* sinks;  // [Hq] or null
   scalar_t* out;        // [B, S, Hq, D] contiguous
+  const float* ksc = nullptr;  // KV8: k_scale / v_scale [Hkv] (x = code * scale); null for float caches
+  const float* vsc = nullptr;
 };
 
 // Context tokens [lo, hi] that query token s of sequence b attends to (empty when hi < lo).
-template <typename scalar_t>
-inline void row_range(const Problem<scalar_t>& P, int64_t b, int64_t s, int64_t& lo, int64_t& hi) {
+template <typename scalar_t, typename cache_t>
+inline void row_range(const Problem<scalar_t, cache_t>& P, int64_t b, int64_t s, int64_t& lo, int64_t& hi) {
   const int64_t pos = P.qp[b * P.S + s];
   hi = std::min<int64_t>(pos, std::min<int64_t>(P.sl[b], P.MB * P.bs) - 1);
   lo = P.window > 0 ? std::max<int64_t>(0, pos - P.window + 1) : 0;
@@ -234,14 +238,14 @@ constexpr int64_t item_buffer(int64_t D) {
   return 2 * D * L + (kChunk + KB) * L + 2 * kChunk * D + 3 * L + 64;
 }
 
-template <typename Ops, typename scalar_t, int NR, int KB, int DB>
-void run_item(const Problem<scalar_t>& P, const Tile& tile, const Item& it, typename Ops::Scalar* buf,
+template <typename Ops, typename scalar_t, int NR, int KB, int DB, typename cache_t>
+void run_item(const Problem<scalar_t, cache_t>& P, const Tile& tile, const Item& it, typename Ops::Scalar* buf,
               typename Ops::Scalar* part) {
   using T = typename Ops::Scalar;
   using V = typename Ops::V;
   using I = typename Ops::I;
   constexpr int W = Ops::W, L = NR * W;
-  constexpr bool kConvert = !std::is_same_v<T, scalar_t>;
+  constexpr bool kConvert = !std::is_same_v<T, cache_t>;
   const int64_t D = P.D, G = P.G;
   T* qt = buf;                         // [D][L]
   T* ot = qt + D * L;                  // [D][L]
@@ -250,7 +254,7 @@ void run_item(const Problem<scalar_t>& P, const Tile& tile, const Item& it, type
   T* vb = kb + kChunk * D;             // [kChunk][D] converted V rows
   T* stats = vb + kChunk * D;          // m [L], l [L]
   alignas(64) int32_t lo[L], hi[L];
-  const T scale = static_cast<T>(P.scale);
+  const T scale = static_cast<T>(P.ksc ? P.scale * static_cast<double>(P.ksc[tile.h]) : P.scale);
   for (int i = 0; i < L; ++i) {
     if (i < tile.nrows) {
       const int64_t row = tile.r0 + i, s = row / G, hq = tile.h * G + row % G;
@@ -277,7 +281,7 @@ void run_item(const Problem<scalar_t>& P, const Tile& tile, const Item& it, type
   }
   const int64_t* blocks = P.bt + tile.b * P.MB;
   const int64_t hoff = tile.h * D;
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(scalar_t));
+  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(cache_t));
   auto row_offset = [&](int64_t j) { return blocks[j / P.bs] * P.block_stride + (j % P.bs) * P.tok_stride + hoff; };
   const T* kp[kChunk + KB];
   const T* vp[kChunk];
@@ -286,8 +290,8 @@ void run_item(const Problem<scalar_t>& P, const Tile& tile, const Item& it, type
     for (int t = 0; t < n; ++t) {
       const int64_t off = row_offset(j0 + t);
       if constexpr (kConvert) {
-        const scalar_t* ks = P.kc + off;
-        const scalar_t* vs = P.vc + off;
+        const cache_t* ks = P.kc + off;
+        const cache_t* vs = P.vc + off;
         T* kd = kb + t * D;
         T* vd = vb + t * D;
 #pragma omp simd
@@ -389,14 +393,14 @@ void run_item(const Problem<scalar_t>& P, const Tile& tile, const Item& it, type
     }
     // a sink joins the softmax's denominator only: exp(sink - max) beside the row's sum
     const T sink = P.sinks ? static_cast<T>(std::exp(P.sinks[hq] - static_cast<double>(ms[i]))) : T(0);
-    const T inv = T(1) / (ls[i] + sink);
+    const T inv = T(1) / (ls[i] + sink) * (P.vsc ? static_cast<T>(P.vsc[tile.h]) : T(1));
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ot[d * L + i] * inv);
   }
 }
 
 // The pieces of a split tile, merged (log-sum-exp) into its output rows.
-template <typename T, typename scalar_t>
-void merge_tile(const Problem<scalar_t>& P, const Tile& tile, const T* part, int L) {
+template <typename T, typename scalar_t, typename cache_t>
+void merge_tile(const Problem<scalar_t, cache_t>& P, const Tile& tile, const T* part, int L) {
   const int64_t D = P.D, G = P.G;
   std::vector<T> acc(D);
   for (int64_t i = 0; i < tile.nrows; ++i) {
@@ -418,13 +422,13 @@ void merge_tile(const Problem<scalar_t>& P, const Tile& tile, const T* part, int
       for (int64_t d = 0; d < D; ++d) acc[d] += w * pp[2 + d];
     }
     if (P.sinks) denom += static_cast<T>(std::exp(P.sinks[hq] - static_cast<double>(mx)));
-    const T inv = T(1) / denom;
+    const T inv = T(1) / denom * (P.vsc ? static_cast<T>(P.vsc[tile.h]) : T(1));
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[d] * inv);
   }
 }
 
-template <typename Ops, typename scalar_t, int NR, int KB, int DB>
-void run(const Problem<scalar_t>& P) {
+template <typename Ops, typename scalar_t, int NR, int KB, int DB, typename cache_t>
+void run(const Problem<scalar_t, cache_t>& P) {
   using T = typename Ops::Scalar;
   constexpr int L = NR * Ops::W;
   const int64_t rows = P.S * P.G;
@@ -504,20 +508,24 @@ void run(const Problem<scalar_t>& P) {
     });
   }
   for (const Tile& tl : tiles)
-    if (tl.first_slot >= 0) merge_tile<T, scalar_t>(P, tl, part.data(), L);
+    if (tl.first_slot >= 0) merge_tile<T, scalar_t, cache_t>(P, tl, part.data(), L);
 }
 
 }  // namespace
 
 // Attention of query [B, Hq, S, D] over the paged cache (already holding this step's rows) into
-// out [B, S, Hq, D] (contiguous): the flash kernel.  Any head_dim; query, caches and out of one dtype.
+// out [B, S, Hq, D] (contiguous): the flash kernel.  Any head_dim; query, caches and out of one dtype, or int8
+// caches (KV8) with their float32 scales [Hkv] (kscales / vscales; null for float caches).
 void fxc_flash_attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& block_table, const torch::Tensor& query_pos, const torch::Tensor& seq_lens,
-                      double scale, int64_t window, double softcap, const double* sinks, torch::Tensor& out) {
+                      double scale, int64_t window, double softcap, const double* sinks, torch::Tensor& out,
+                      const float* kscales, const float* vscales) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "fxc::paged_attention (flash kernel): caches and output must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "fxc::paged_attention (flash kernel): query/cache dtypes must match");
+  const bool q8 = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (q8 ? kscales && vscales
+                                                                     : query.scalar_type() == k_cache.scalar_type()),
+              "fxc::paged_attention (flash kernel): query/cache dtypes must match (or int8 caches with scales)");
   const auto bt = block_table.to(torch::kLong).contiguous();
   const auto qp = query_pos.to(torch::kLong).contiguous();
   const auto sl = seq_lens.to(torch::kLong).contiguous();
@@ -526,27 +534,32 @@ void fxc_flash_attend(const torch::Tensor& query, const torch::Tensor& k_cache, 
   TORCH_CHECK(Hq % Hkv == 0, "fxc::paged_attention: query heads (", Hq, ") must be a multiple of KV heads (", Hkv, ")");
   TORCH_CHECK(bs * bt.size(1) < std::numeric_limits<int32_t>::max(), "fxc::paged_attention: context too long");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "fxc_flash_attend", [&] {
-    Problem<scalar_t> P{query.data_ptr<scalar_t>(),
-                        {query.stride(0), query.stride(1), query.stride(2), query.stride(3)},
-                        k_cache.data_ptr<scalar_t>(), v_cache.data_ptr<scalar_t>(),
-                        B, Hq, Hkv, Hq / Hkv, S, D, bs, bt.size(1), bs * Hkv * D, Hkv * D,
-                        bt.data_ptr<int64_t>(), qp.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
-                        window, scale, softcap, sinks, out.data_ptr<scalar_t>()};
-    using acc_t = typename fxc::Acc<scalar_t>::type;
-    if constexpr (std::is_same_v<acc_t, double>) {
-      run<OpsGeneric<double, 8>, scalar_t, 2, 4, 4>(P);
-    } else {
-      const bool wide = S * (Hq / Hkv) > 16;  // 32-row tiles where the rows fill them
+    auto launch = [&](auto cache_tag) {
+      using cache_t = decltype(cache_tag);
+      Problem<scalar_t, cache_t> P{query.data_ptr<scalar_t>(),
+                                   {query.stride(0), query.stride(1), query.stride(2), query.stride(3)},
+                                   k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
+                                   B, Hq, Hkv, Hq / Hkv, S, D, bs, bt.size(1), bs * Hkv * D, Hkv * D,
+                                   bt.data_ptr<int64_t>(), qp.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
+                                   window, scale, softcap, sinks, out.data_ptr<scalar_t>(), kscales, vscales};
+      using acc_t = typename fxc::Acc<scalar_t>::type;
+      if constexpr (std::is_same_v<acc_t, double>) {
+        run<OpsGeneric<double, 8>, scalar_t, 2, 4, 4>(P);
+      } else {
+        const bool wide = S * (Hq / Hkv) > 16;  // 32-row tiles where the rows fill them
 #if defined(__AVX512F__)
-      if (wide) run<OpsF512, scalar_t, 2, 8, 8>(P);
-      else run<OpsF512, scalar_t, 1, 8, 8>(P);
+        if (wide) run<OpsF512, scalar_t, 2, 8, 8>(P);
+        else run<OpsF512, scalar_t, 1, 8, 8>(P);
 #elif defined(__AVX2__)
-      (void)wide;
-      run<OpsF256, scalar_t, 2, 4, 4>(P);
+        (void)wide;
+        run<OpsF256, scalar_t, 2, 4, 4>(P);
 #else
-      (void)wide;
-      run<OpsGeneric<float, 16>, scalar_t, 1, 4, 4>(P);
+        (void)wide;
+        run<OpsGeneric<float, 16>, scalar_t, 1, 4, 4>(P);
 #endif
-    }
+      }
+    };
+    if (q8) launch(int8_t{});
+    else launch(scalar_t{});
   });
 }

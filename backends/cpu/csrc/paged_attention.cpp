@@ -53,7 +53,8 @@ extern int g_aten_sum_lanes;
 // The multi-token (flash) attention kernel, csrc/flash_attention.cpp.
 void fxc_flash_attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                       const torch::Tensor& block_table, const torch::Tensor& query_pos, const torch::Tensor& seq_lens,
-                      double scale, int64_t window, double softcap, const double* sinks, torch::Tensor& out);
+                      double scale, int64_t window, double softcap, const double* sinks, torch::Tensor& out,
+                      const float* kscales = nullptr, const float* vscales = nullptr);
 
 namespace {
 
@@ -660,10 +661,11 @@ torch::Tensor paged_attention_sdpa(torch::Tensor query, torch::Tensor key, torch
                      sinks);
 }
 
-// int8 caches (KV8): the quantizing cache write, then the decode kernel for every call (any number of query
-// tokens: its rows are (sequence, token) pairs).  The flash kernel has no int8 tiles yet, so multi-token
-// int8 calls (prefill) are slower than with a float cache; decode, the common case, reads a quarter
-// (fp32) or half (bf16) of the bytes.
+// int8 caches (KV8): the quantizing cache write, then the kernel a float cache would take: the flash kernel's
+// int8 tiles for calls of several query tokens per sequence with >= g_flash_min_rows rows per KV head (prefill,
+// chunked prefill, verify steps), the decode kernel otherwise (its rows are (sequence, token) pairs).  Both read
+// the codes and convert them to fp32 exactly; decode, the common case, reads a quarter (fp32) or half (bf16) of
+// a float cache's bytes.
 torch::Tensor paged_attention_q8(torch::Tensor query, torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                                  torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
                                  torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
@@ -686,11 +688,19 @@ torch::Tensor paged_attention_q8(torch::Tensor query, torch::Tensor key, torch::
   }
   const double* sink_ptr = sinks.has_value() ? sinks64.data_ptr<double>() : nullptr;
   const std::vector<float> ks = kv8_scales(k_cache), vs = kv8_scales(v_cache);
+  // several query tokens per sequence with enough rows per KV head: the flash kernel's int8 tiles, as for a
+  // float cache (paged_attention_op); else the decode kernel
+  const int64_t G = Hq / std::max<int64_t>(1, k_cache.size(2));
+  const bool flash = S > 1 && S * G >= g_flash_min_rows;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "fxc_paged_attention_q8", [&] {
     write_cache_q8<scalar_t>(key, value, k_cache, v_cache, slot_mapping);
-    attend<scalar_t, int8_t>(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
-                             softcap, sink_ptr, out, ks.data(), vs.data());
+    if (!flash)
+      attend<scalar_t, int8_t>(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
+                               softcap, sink_ptr, out, ks.data(), vs.data());
   });
+  if (flash)
+    fxc_flash_attend(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap,
+                     sink_ptr, out, ks.data(), vs.data());
   return out;
 }
 
