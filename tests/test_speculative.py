@@ -238,6 +238,15 @@ def test_bad_combinations(tiny_models, base, cache_dir, tmp_path):
         kv_cache_sharing_across_beams_config=KvCacheSharingAcrossBeamsConfig(2, 16))
     # no k anywhere
     bad(ValueError, "num_speculative_tokens is required", speculative_model="[ngram]")
+    # a KV8 draft (its KV cache is float): by config and by qformat, refused before anything is built
+    from fxcompiler import LLMConfig, QuantizationConfig
+
+    bad(NotImplementedError, r"int8 KV cache \(KV8\) for the draft", speculative_model=path, num_speculative_tokens=2,
+        speculative_model_llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W8A32KV8")))
+    qformat = tmp_path / "kv8.yaml"
+    qformat.write_text("--weight_dtype int8 --act_dtype fp32 --kv_dtype int8\nmodules:\n  \"*\": {weight: int8}\n")
+    bad(NotImplementedError, r"int8 KV cache \(KV8\) for the draft", speculative_model=path, num_speculative_tokens=2,
+        speculative_model_qformat_path=qformat)
 
 
 class _Tok:
