@@ -7,8 +7,10 @@ functions of the program and the build settings, so their result — the fx pipe
 their (few, shared) blob graphs — is cached too, in
 ``cache_dir/compiled/<program key>/builds/<build key>/``:
 
-- ``pipelines.json``: the :class:`~fxcompiler.pipeline.Pipeline` records without their graphs
-  (JSON, never pickle: a cache entry is data, and unpickling runs code);
+- ``pipelines.json``: the :class:`~fxcompiler.pipeline.Pipeline` records without their graphs, in the
+  compact form of :func:`~fxcompiler.pipeline.pipelines_to_compact` (what the buckets share stored
+  once: SmolLM2's 277 pipelines are 1 MB there, read in ~0.05 s, against 27 MB and 1.2 s as plain
+  records). JSON, never pickle: a cache entry is data, and unpickling runs code;
 - ``graphs/<blob id>.py`` (+ ``.constants.safetensors``): each unique blob's code
   (:mod:`fxcompiler.graph_io`) and ``blobs.json`` its placeholder signature, so the later
   ``dfg``/``edf`` conversions can give a blob its ``meta['val']`` back cheaply.
@@ -35,11 +37,11 @@ import torch
 from . import graph_io
 from .compile_cache import load_tensors, save_tensors, write_entry
 from .integrity import StampStore, stamp_store, verify_checksums, write_checksums
-from .pipeline import Bucket, DataBlob, Pipeline, pipeline_from_dict
+from .pipeline import Bucket, DataBlob, Pipeline, pipelines_from_compact, pipelines_to_compact
 
 log = logging.getLogger("fxcompiler.cache")
 
-BUILD_SCHEMA_VERSION = 2  # 2: pipelines.json + checksums.json (was a pickle)
+BUILD_SCHEMA_VERSION = 3  # 3: compact pipelines.json; 2: plain records + checksums.json (1: a pickle)
 
 
 def build_key(program_key: str, model_name: str, buckets: list[Bucket], *, block_size: int, device: str,
@@ -101,8 +103,8 @@ class BuildCache:
                 aliases = save_tensors(consts, tmp / "graphs" / f"{bid}.constants.safetensors") if consts else None
                 index[bid] = {"signature": signatures[bid], "constant_aliases": aliases}
             (tmp / "blobs.json").write_text(json.dumps(index, sort_keys=True))
-            bare = [p.to_dict() for p in pipelines]
-            (tmp / "pipelines.json").write_text(json.dumps({"schema": BUILD_SCHEMA_VERSION, "pipelines": bare}))
+            compact = pipelines_to_compact(pipelines)
+            (tmp / "pipelines.json").write_text(json.dumps({"schema": BUILD_SCHEMA_VERSION, **compact}))
             write_checksums(tmp)
 
         write_entry(entry, write, "build cache")
@@ -125,7 +127,7 @@ def _read(entry: Path, stamps: StampStore | None = None) -> list[Pipeline]:
         gm = graph_io.load_graph_module((entry / "graphs" / f"{bid}.py").read_text(), consts)
         gm.meta["fxc_signature"] = info["signature"]
         graphs[bid] = gm
-    return [pipeline_from_dict(d, graphs) for d in data["pipelines"]]
+    return pipelines_from_compact(data, graphs)
 
 
 def ensure_meta(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fxcompiler.pipeline import Bucket, Device, dtype_name, pipeline_name
 
@@ -79,3 +81,75 @@ def test_pipeline_builder_workers_build_the_same_pipelines(tiny_models, monkeypa
     with pytest.raises(ValueError, match="num_pipeline_builder_workers"):
         LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True,
             num_pipeline_builder_workers=0)
+
+
+def test_compact_records_round_trip_built_pipelines(tiny_models):
+    from fxcompiler import LLM
+    from fxcompiler.pipeline import pipelines_from_compact, pipelines_to_compact
+
+    llm = LLM(str(tiny_models["llama"]), max_seq_len_to_capture=128, cache_dir=None, skip_engine=True)
+    pipes = llm.pipelines
+    compact = json.loads(json.dumps(pipelines_to_compact(pipes)))
+    assert len(compact["tables"]["supertasks"]) == 1  # every bucket runs the same supertasks
+    assert len(json.dumps(compact)) < sum(len(json.dumps(p.to_dict())) for p in pipes) / 3
+    graphs = {b.id: b.graph for p in pipes for b in p.blobs.values()}
+    again = pipelines_from_compact(compact, graphs)
+    assert [p.to_json() for p in again] == [p.to_json() for p in pipes]
+    assert [list(p.tensors) for p in again] == [list(p.tensors) for p in pipes]  # order kept too
+    assert all(b.graph is graphs[b.id] for p in again for b in p.blobs.values())
+    again[0].supertasks.clear()  # each pipeline owns its dicts
+    assert again[1].supertasks
+
+
+_names = st.sampled_from(["a", "b", "c", "d", "e"])
+_tensor = st.builds(lambda shape, dtype: {"kind": "tensor", "shape": shape, "dtype": dtype},
+                    st.lists(st.integers(1, 9), max_size=3), st.sampled_from(["f32", "i64"]))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.dictionaries(_names, _tensor, max_size=5), st.booleans(), st.integers(1, 4)),
+                min_size=1, max_size=6))
+def test_compact_records_round_trip_any_pipelines(specs):
+    """Pipelines that share some tensors, supertasks and metadata and differ in others come back equal."""
+    from fxcompiler.pipeline import pipeline_from_dict, pipelines_from_compact, pipelines_to_compact
+
+    pipes = []
+    for i, (tensors, other_task, batch) in enumerate(specs):
+        task = {"kind": "fx", "inputs": sorted(tensors)[:1], "outputs": [], "device": "0", "data_blob": "blob",
+                "metadata": {"v": int(other_task)}}
+        pipes.append(pipeline_from_dict({
+            "name": f"p{i}", "version": "0.1.0", "bucket": {"batch_size": batch, "attention_size": 16 * (i + 1),
+                                                            "kv_cache_size": 0},
+            "devices": {"0": "cpu"}, "tensors": tensors, "supertasks": {"t": task},
+            "blobs": {"blob": {"id": "blob", "kind": "fx"}}, "param_files": {},
+            "metadata": {"batch": batch}}))
+    compact = json.loads(json.dumps(pipelines_to_compact(pipes)))
+    assert [p.to_json() for p in pipelines_from_compact(compact)] == [p.to_json() for p in pipes]
+    assert [list(p.tensors) for p in pipelines_from_compact(compact)] == [list(p.tensors) for p in pipes]
+
+
+def test_malformed_compact_records_name_the_fault():
+    from fxcompiler.pipeline import pipeline_from_dict, pipelines_from_compact, pipelines_to_compact
+
+    pipe = pipeline_from_dict({"name": "p", "version": "0.1.0", "bucket": {"batch_size": 1, "attention_size": 16,
+                                                                           "kv_cache_size": 0},
+                               "devices": {"0": "cpu"}, "tensors": {"x": {"kind": "tensor", "shape": [1],
+                                                                          "dtype": "f32"}},
+                               "supertasks": {}, "blobs": {}, "param_files": {}, "metadata": {}})
+    good = pipelines_to_compact([pipe])
+    bad_index = json.loads(json.dumps(good))
+    bad_index["pipelines"][0]["supertasks"] = 3
+    with pytest.raises(ValueError, match="supertasks index 3 is not in the table of 1"):
+        pipelines_from_compact(bad_index)
+    no_record = json.loads(json.dumps(good))
+    no_record["common_tensors"] = {}
+    with pytest.raises(ValueError, match=r"tensors \['x'\] have no record"):
+        pipelines_from_compact(no_record)
+    no_field = json.loads(json.dumps(good))
+    del no_field["tables"]
+    with pytest.raises(ValueError, match="lack the field 'tables'"):
+        pipelines_from_compact(no_field)
+    other_schema = json.loads(json.dumps(good))
+    other_schema["pipelines"][0]["version"] = "9.0"
+    with pytest.raises(ValueError, match="pipeline schema 9.0"):
+        pipelines_from_compact(other_schema)

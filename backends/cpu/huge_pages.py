@@ -108,7 +108,9 @@ def place_in_huge_pages(params: dict[str, torch.Tensor], min_bytes: int = 1 << 2
 
 
 _MADV_COLLAPSE = 25  # linux/mman.h (Python 3.11's mmap module does not name it)
-_CHUNK = 32 << 20  # collapse in pieces: the engine's threads keep running in between
+# One huge page per call: a collapse stalls the engine's threads (locks, TLB shootdowns) while it runs, and
+# a first prefill during 32 MiB pieces took 0.83 s against 0.33 s with 2 MiB ones (0.05 s without huge pages).
+_CHUNK = 2 << 20
 _threads: list[threading.Thread] = []
 
 
