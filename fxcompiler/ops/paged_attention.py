@@ -28,26 +28,37 @@ from . import fused  # noqa: F401  (fxc::rope, which qkv_paged_attention applies
 
 __all__ = ["paged_attention", "paged_attention_reference", "qkv_paged_attention",
            "qkv_paged_attention_reference", "split_qkv_heads", "kv8_scales", "kv8_set_scales", "kv8_quantize",
-           "KV8_QMAX"]
+           "kvf8_quantize", "kv_quantize", "is_quantized_cache", "KV8_QMAX", "FP8_MAX", "KV_QUANT_DTYPES"]
 
-# -- int8 KV cache ("KV8") ------------------------------------------------------------------------------
+# -- quantized KV caches: int8 ("KV8") and fp8 e4m3 ("KVf8") ----------------------------------------------
 # An int8 cache tensor ``[num_blocks, block_size, kv_heads, head_dim]`` holds codes q in [-127, 127]
-# (x ~ q * scale) and, in its *last block* (the scale block, never handed out by the block manager),
-# the layer's float32 scales: the first 4 * kv_heads bytes are ``scale[kv_heads]``. A cache tensor
-# therefore describes itself: every kernel that gets it (ATen reference, C++ decode kernel, qkv
-# fusion, copies for copy-on-write) needs no extra argument, and the graph is the float model's.
+# (x ~ q * scale); an fp8 one (``torch.float8_e4m3fn``) holds e4m3 values c = e4m3(x / scale), rounded to
+# nearest even and saturated at +-448 (x ~ c * scale). Either keeps, in its *last block* (the scale block,
+# never handed out by the block manager), the layer's float32 scales: the first 4 * kv_heads bytes are
+# ``scale[kv_heads]``. A cache tensor therefore describes itself: every kernel that gets it (ATen
+# reference, C++ decode and flash kernels, qkv fusion, copies for copy-on-write) needs no extra argument,
+# and the graph is the float model's.
 KV8_QMAX = 127
+FP8_MAX = 448.0  # the largest finite e4m3fn value
+KV_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
+def is_quantized_cache(cache: torch.Tensor) -> bool:
+    """True for an int8 (KV8) or fp8 e4m3 (KVf8) cache tensor, which carries its scales in its last block."""
+    return cache.dtype in KV_QUANT_DTYPES
 
 
 def kv8_scales(cache: torch.Tensor) -> torch.Tensor:
-    """The float32 ``[kv_heads]`` scales stored in an int8 cache's last block (a copy)."""
+    """The float32 ``[kv_heads]`` scales stored in an int8 or fp8 cache's last block (a copy)."""
     hkv = cache.shape[2]
-    raw = cache[-1].reshape(-1)[: 4 * hkv].clone()  # clone: an aligned buffer for the float view
+    raw = cache[-1].reshape(-1).view(torch.uint8)[: 4 * hkv].clone()  # clone: an aligned buffer for the float view
     return raw.view(torch.float32)
 
 
 def kv8_set_scales(cache: torch.Tensor, scales) -> None:
-    """Store ``scales[kv_heads]`` (positive, finite) in an int8 cache's last block."""
+    """Store ``scales[kv_heads]`` (positive, finite) in an int8 or fp8 cache's last block."""
+    if not is_quantized_cache(cache):
+        raise ValueError(f"kv cache scales belong to an int8 or float8_e4m3fn cache, got {cache.dtype}")
     s = torch.as_tensor(scales, dtype=torch.float32).reshape(-1).contiguous()
     hkv = cache.shape[2]
     if s.numel() != hkv:
@@ -56,7 +67,7 @@ def kv8_set_scales(cache: torch.Tensor, scales) -> None:
         raise ValueError(f"kv cache scales must be finite and > 0, got {s.tolist()}")
     if cache[-1].numel() < 4 * hkv:
         raise ValueError("kv cache block too small to hold its scales")
-    cache[-1].reshape(-1)[: 4 * hkv].copy_(s.view(torch.int8).to(cache.device))
+    cache[-1].reshape(-1).view(torch.uint8)[: 4 * hkv].copy_(s.view(torch.uint8).to(cache.device))
 
 
 def kv8_quantize(x: torch.Tensor, scales: torch.Tensor, head_dim_axis: int = -3) -> torch.Tensor:
@@ -66,6 +77,21 @@ def kv8_quantize(x: torch.Tensor, scales: torch.Tensor, head_dim_axis: int = -3)
     shape[head_dim_axis] = -1
     q = torch.round(x.to(torch.float32) / scales.to(x.device).view(shape))
     return q.clamp_(-KV8_QMAX, KV8_QMAX).to(torch.int8)
+
+
+def kvf8_quantize(x: torch.Tensor, scales: torch.Tensor, head_dim_axis: int = -3) -> torch.Tensor:
+    """fp8 e4m3 codes of ``x`` whose axis ``head_dim_axis`` is the KV head: ``e4m3(clamp(x / s, -448, 448))``
+    in float32, rounded to nearest even (torch's cast; the C++ write computes the same bits). NaN stays NaN."""
+    shape = [1] * x.dim()
+    shape[head_dim_axis] = -1
+    y = x.to(torch.float32) / scales.to(x.device).view(shape)
+    return y.clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+
+
+def kv_quantize(cache: torch.Tensor, x: torch.Tensor, head_dim_axis: int = -3) -> torch.Tensor:
+    """``x`` in ``cache``'s code dtype (int8 or fp8) with the scales of its scale block."""
+    fn = kv8_quantize if cache.dtype == torch.int8 else kvf8_quantize
+    return fn(x, kv8_scales(cache), head_dim_axis)
 
 
 def paged_attention_reference(
@@ -94,11 +120,14 @@ def write_kv_reference(key, value, k_cache, v_cache, slot_mapping) -> None:
     B, Hkv, S, D = key.shape
     nb, bs = k_cache.shape[0], k_cache.shape[1]
     slots = slot_mapping.reshape(-1)
-    if k_cache.dtype == torch.int8:  # KV8: codes with the scales of the cache's scale block
-        key = kv8_quantize(key, kv8_scales(k_cache), 1)
-        value = kv8_quantize(value, kv8_scales(v_cache), 1)
-    k_cache.view(nb * bs, Hkv, D).index_copy_(0, slots, key.transpose(1, 2).reshape(B * S, Hkv, D).to(k_cache.dtype))
-    v_cache.view(nb * bs, Hkv, D).index_copy_(0, slots, value.transpose(1, 2).reshape(B * S, Hkv, D).to(v_cache.dtype))
+    if is_quantized_cache(k_cache):  # KV8 / KVf8: codes with the scales of the cache's scale block
+        key = kv_quantize(k_cache, key, 1)
+        value = kv_quantize(v_cache, value, 1)
+    kd, vd = k_cache, v_cache
+    if k_cache.dtype == torch.float8_e4m3fn:  # index_copy_ has no fp8 kernel: copy the bytes
+        kd, vd, key, value = (t.view(torch.uint8) for t in (k_cache, v_cache, key, value))
+    kd.view(nb * bs, Hkv, D).index_copy_(0, slots, key.transpose(1, 2).reshape(B * S, Hkv, D).to(kd.dtype))
+    vd.view(nb * bs, Hkv, D).index_copy_(0, slots, value.transpose(1, 2).reshape(B * S, Hkv, D).to(vd.dtype))
 
 
 def attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window=-1,
@@ -116,7 +145,7 @@ def attend_reference(query, k_cache, v_cache, block_table, query_pos, seq_lens, 
     # [B, MB*bs, Hkv, D] viewed as [B, Hkv, L, D] (strided; SDPA reads it in place)
     k_ctx = k_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).transpose(1, 2)
     v_ctx = v_cache.index_select(0, flat_blocks).view(B, L, Hkv, D).transpose(1, 2)
-    if k_cache.dtype == torch.int8:  # KV8: dequantized (codes x per-head scale) in the query's dtype
+    if is_quantized_cache(k_cache):  # KV8 / KVf8: dequantized (codes x per-head scale) in the query's dtype
         k_ctx = (k_ctx.to(torch.float32) * kv8_scales(k_cache).view(1, Hkv, 1, 1)).to(query.dtype)
         v_ctx = (v_ctx.to(torch.float32) * kv8_scales(v_cache).view(1, Hkv, 1, 1)).to(query.dtype)
     elif k_ctx.dtype != query.dtype:

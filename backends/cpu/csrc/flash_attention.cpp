@@ -11,7 +11,7 @@
 //   output  O^T[d] = O^T[d] * corr + sum_t V[t][d] * P^T[t]
 // so there are no horizontal reductions and no transposes in the inner loops; each K/V row is read
 // once per tile, for all of the tile's rows.  fp32 accumulation (fp64 for double caches); bf16 and fp16
-// rows, and the int8 codes of a KV8 cache, are converted to fp32 exactly into a 16-row buffer per step
+// rows, and the int8 / e4m3 codes of a KV8 / KVf8 cache, are converted to fp32 exactly into a 16-row buffer per step
 // (KV8: the tile's k_scale is folded into the pre-scaled query, its v_scale into the final normalisation,
 // as the decode kernel does).  Logit softcap (tanh) and sinks
 // (one extra logit per query head in the denominator) as in the decode kernel and the ATen reference.
@@ -46,6 +46,7 @@ using namespace at;  // the torch:: names below (Tensor, empty, kLong, ...) are 
 #include <vector>
 
 #include "simd_math.h"
+#include "kv_fp8.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -522,10 +523,11 @@ void fxc_flash_attend(const torch::Tensor& query, const torch::Tensor& k_cache, 
                       const float* kscales, const float* vscales) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous(),
               "fxc::paged_attention (flash kernel): caches and output must be contiguous");
-  const bool q8 = k_cache.scalar_type() == at::kChar;
+  const bool f8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  const bool q8 = k_cache.scalar_type() == at::kChar || f8;
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type() && (q8 ? kscales && vscales
                                                                      : query.scalar_type() == k_cache.scalar_type()),
-              "fxc::paged_attention (flash kernel): query/cache dtypes must match (or int8 caches with scales)");
+              "fxc::paged_attention (flash kernel): query/cache dtypes must match (or int8/fp8 caches with scales)");
   const auto bt = block_table.to(torch::kLong).contiguous();
   const auto qp = query_pos.to(torch::kLong).contiguous();
   const auto sl = seq_lens.to(torch::kLong).contiguous();
@@ -538,7 +540,8 @@ void fxc_flash_attend(const torch::Tensor& query, const torch::Tensor& k_cache, 
       using cache_t = decltype(cache_tag);
       Problem<scalar_t, cache_t> P{query.data_ptr<scalar_t>(),
                                    {query.stride(0), query.stride(1), query.stride(2), query.stride(3)},
-                                   k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(),
+                                   static_cast<const cache_t*>(k_cache.data_ptr()),
+                                   static_cast<const cache_t*>(v_cache.data_ptr()),
                                    B, Hq, Hkv, Hq / Hkv, S, D, bs, bt.size(1), bs * Hkv * D, Hkv * D,
                                    bt.data_ptr<int64_t>(), qp.data_ptr<int64_t>(), sl.data_ptr<int64_t>(),
                                    window, scale, softcap, sinks, out.data_ptr<scalar_t>(), kscales, vscales};
@@ -559,7 +562,8 @@ void fxc_flash_attend(const torch::Tensor& query, const torch::Tensor& k_cache, 
 #endif
       }
     };
-    if (q8) launch(int8_t{});
+    if (f8) launch(fxc::e4m3{});
+    else if (q8) launch(int8_t{});
     else launch(scalar_t{});
   });
 }

@@ -11,6 +11,9 @@
 // (fxcompiler/ops/paged_attention.py); the write quantizes (nearbyint(x / s), clamped to +-127), the
 // attention converts codes to fp32 in registers (exact) and applies the scales outside the inner
 // loops: k_scale is folded into the pre-scaled query row, v_scale into the final normalisation.
+// fp8 caches (KVf8, torch.float8_e4m3fn): the same with e4m3 codes (kv_fp8.h): the write stores
+// e4m3(clamp(x / s, +-448)) rounded to nearest even, the attention converts codes to fp32 exactly
+// (AVX-512: the code's bits moved into an fp16 and F16C's vcvtph2ps; elsewhere a 256-entry table).
 // pybind11 with torch's Tensor casters and ATen's headers, not torch/extension.h (the whole C++ frontend API):
 // the same bindings, half the build time.
 #include <torch/csrc/utils/pybind.h>
@@ -32,6 +35,7 @@ using namespace at;  // the torch:: names below (Tensor, empty, arange, kDouble)
 
 #include <algorithm>
 #include "simd_math.h"
+#include "kv_fp8.h"
 #include <cstring>
 #include <type_traits>
 #ifdef __AVX512F__
@@ -61,39 +65,48 @@ namespace {
 using fxc::Acc;
 using fxc::exp_row;
 
-// The float32 scales [Hkv] of an int8 cache (its last block's first 4 * Hkv bytes).
+// The float32 scales [Hkv] of an int8 or fp8 cache (its last block's first 4 * Hkv bytes).
 std::vector<float> kv8_scales(const torch::Tensor& cache) {
   const int64_t nb = cache.size(0), Hkv = cache.size(2);
   const int64_t block = cache.size(1) * Hkv * cache.size(3);
-  TORCH_CHECK(block >= 4 * Hkv, "fxc::paged_attention: int8 cache blocks too small for their scales");
+  TORCH_CHECK(block >= 4 * Hkv, "fxc::paged_attention: int8/fp8 cache blocks too small for their scales");
   std::vector<float> s(Hkv);
-  std::memcpy(s.data(), cache.data_ptr<int8_t>() + (nb - 1) * block, 4 * Hkv);
+  std::memcpy(s.data(), static_cast<const char*>(cache.data_ptr()) + (nb - 1) * block, 4 * Hkv);
   return s;
 }
 
-template <typename scalar_t>
+inline bool is_code_cache(const torch::Tensor& cache) {
+  return cache.scalar_type() == at::kChar || cache.scalar_type() == at::kFloat8_e4m3fn;
+}
+
+// code_t: int8_t (KV8: clamp(nearbyint(x / s), +-127)) or fxc::e4m3 (KVf8: e4m3(clamp(x / s, +-448)), RNE).
+template <typename scalar_t, typename code_t = int8_t>
 void write_cache_q8(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& k_cache,
                     torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
   const int64_t B = key.size(0), Hkv = key.size(1), S = key.size(2), D = key.size(3);
   const std::vector<float> ksc = kv8_scales(k_cache), vsc = kv8_scales(v_cache);
   auto sm = slot_mapping.accessor<int64_t, 2>();
-  int8_t* kc = k_cache.data_ptr<int8_t>();
-  int8_t* vc = v_cache.data_ptr<int8_t>();
+  code_t* kc = static_cast<code_t*>(k_cache.data_ptr());
+  code_t* vc = static_cast<code_t*>(v_cache.data_ptr());
   const scalar_t* kp = key.data_ptr<scalar_t>();
   const scalar_t* vp = value.data_ptr<scalar_t>();
   const int64_t row = Hkv * D;
   const auto ks = key.strides(), vs = value.strides();
-  auto q8 = [](float x, float s) {
-    const float q = std::nearbyint(x / s);
-    return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  auto q8 = [](float x, float s) -> code_t {
+    if constexpr (std::is_same_v<code_t, fxc::e4m3>) {
+      return fxc::e4m3_encode(x / s);
+    } else {
+      const float q = std::nearbyint(x / s);
+      return static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+    }
   };
   at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / S, s = i % S;
       const int64_t slot = sm[b][s];
       for (int64_t h = 0; h < Hkv; ++h) {
-        int8_t* kd = kc + slot * row + h * D;
-        int8_t* vd = vc + slot * row + h * D;
+        code_t* kd = kc + slot * row + h * D;
+        code_t* vd = vc + slot * row + h * D;
         const scalar_t* kr = kp + b * ks[0] + h * ks[1] + s * ks[2];
         const scalar_t* vr = vp + b * vs[0] + h * vs[1] + s * vs[2];
         const float kh = ksc[h], vh = vsc[h];
@@ -241,6 +254,18 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const int8_t* p) {  // int8 codes -> fp32 (exact)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
+// e4m3 codes -> fp32 (exact): the 7 magnitude bits shifted left by 7 are an fp16 with the same exponent and
+// mantissa fields, i.e. the e4m3 value x 2^-8 (subnormals included); the sign goes to bit 15, vcvtph2ps
+// converts exactly, the product with 2^8 is exact; NaN codes (magnitude 0x7F) are blended to NaN.
+inline __m512 load16(const fxc::e4m3* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7F));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                    _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+  const __m512 f = _mm512_mul_ps(_mm512_cvtph_ps(h), _mm512_set1_ps(256.0f));
+  const __mmask16 nan = _mm256_cmpeq_epi16_mask(mag, _mm256_set1_epi16(0x7F));
+  return _mm512_mask_mov_ps(f, nan, _mm512_set1_ps(std::numeric_limits<float>::quiet_NaN()));
+}
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32 is exact: the bits shifted up by 16
   return _mm512_castsi512_ps(
       _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
@@ -381,7 +406,8 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
   const int64_t B = query.size(0), Hq = query.size(1), S = query.size(2), D = query.size(3);
   const int64_t bs = k_cache.size(1), Hkv = k_cache.size(2);
   const int64_t MB = block_table.size(1);
-  const Geo<cache_t> geo{k_cache.data_ptr<cache_t>(), v_cache.data_ptr<cache_t>(), bs, Hkv, Hq / Hkv, D,
+  const Geo<cache_t> geo{static_cast<const cache_t*>(k_cache.data_ptr()), static_cast<const cache_t*>(v_cache.data_ptr()),
+                          bs, Hkv, Hq / Hkv, D,
                           bs * Hkv * D, Hkv * D, softcap};
   const int64_t G = Hq / Hkv;
   auto kmul = [&](int64_t hq) { return kscale ? static_cast<acc_t>(kscale[hq / G]) : acc_t(1); };
@@ -477,7 +503,8 @@ void attend(const torch::Tensor& query, const torch::Tensor& k_cache, const torc
         bool done = false;
 #ifdef __AVX512F__
         if constexpr ((std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16>) &&
-                      (std::is_same_v<cache_t, scalar_t> || std::is_same_v<cache_t, int8_t>)) {
+                      (std::is_same_v<cache_t, scalar_t> || std::is_same_v<cache_t, int8_t> ||
+                       std::is_same_v<cache_t, fxc::e4m3>)) {
           const int64_t* nxb = nullptr;
           int64_t nxn = 0;
           if (pi + 1 < pieces.size()) {
@@ -671,9 +698,11 @@ torch::Tensor paged_attention_q8(torch::Tensor query, torch::Tensor key, torch::
                                  torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
                                  double softcap, const std::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "fxc::paged_attention: caches must be contiguous");
-  TORCH_CHECK(v_cache.scalar_type() == at::kChar, "fxc::paged_attention: k_cache is int8, v_cache is not");
+  const bool f8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "fxc::paged_attention: k_cache is ",
+              k_cache.scalar_type(), ", v_cache is ", v_cache.scalar_type(), " (a quantized cache needs both)");
   TORCH_CHECK(key.scalar_type() == query.scalar_type() && value.scalar_type() == query.scalar_type(),
-              "fxc::paged_attention (int8 cache): query/key/value dtypes must match");
+              "fxc::paged_attention (int8/fp8 cache): query/key/value dtypes must match");
   block_table = block_table.contiguous();
   slot_mapping = slot_mapping.contiguous();
   query_pos = query_pos.contiguous();
@@ -693,10 +722,17 @@ torch::Tensor paged_attention_q8(torch::Tensor query, torch::Tensor key, torch::
   const int64_t G = Hq / std::max<int64_t>(1, k_cache.size(2));
   const bool flash = S > 1 && S * G >= g_flash_min_rows;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "fxc_paged_attention_q8", [&] {
-    write_cache_q8<scalar_t>(key, value, k_cache, v_cache, slot_mapping);
-    if (!flash)
-      attend<scalar_t, int8_t>(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
-                               softcap, sink_ptr, out, ks.data(), vs.data());
+    if (f8) {
+      write_cache_q8<scalar_t, fxc::e4m3>(key, value, k_cache, v_cache, slot_mapping);
+      if (!flash)
+        attend<scalar_t, fxc::e4m3>(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
+                                    softcap, sink_ptr, out, ks.data(), vs.data());
+    } else {
+      write_cache_q8<scalar_t>(key, value, k_cache, v_cache, slot_mapping);
+      if (!flash)
+        attend<scalar_t, int8_t>(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window,
+                                 softcap, sink_ptr, out, ks.data(), vs.data());
+    }
   });
   if (flash)
     fxc_flash_attend(query, k_cache, v_cache, block_table, query_pos, seq_lens, scale, sliding_window, softcap,
@@ -706,10 +742,13 @@ torch::Tensor paged_attention_q8(torch::Tensor query, torch::Tensor key, torch::
 
 void write_cache_q8_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                         torch::Tensor slot_mapping) {
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.scalar_type() == at::kChar &&
-              v_cache.scalar_type() == at::kChar, "fxc write_cache_q8: caches must be contiguous int8");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && is_code_cache(k_cache) &&
+              v_cache.scalar_type() == k_cache.scalar_type(),
+              "fxc write_cache_q8: caches must be contiguous int8 or float8_e4m3fn");
+  const bool f8 = k_cache.scalar_type() == at::kFloat8_e4m3fn;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, key.scalar_type(), "fxc_write_cache_q8", [&] {
-    write_cache_q8<scalar_t>(key, value, k_cache, v_cache, slot_mapping.contiguous());
+    if (f8) write_cache_q8<scalar_t, fxc::e4m3>(key, value, k_cache, v_cache, slot_mapping.contiguous());
+    else write_cache_q8<scalar_t>(key, value, k_cache, v_cache, slot_mapping.contiguous());
   });
 }
 
@@ -721,7 +760,7 @@ torch::Tensor paged_attention_op(torch::Tensor query, torch::Tensor key, torch::
                                  torch::Tensor v_cache, torch::Tensor block_table, torch::Tensor slot_mapping,
                                  torch::Tensor query_pos, torch::Tensor seq_lens, double scale, int64_t sliding_window,
                                  double softcap, const std::optional<torch::Tensor>& sinks = std::nullopt) {
-  if (k_cache.scalar_type() == at::kChar)
+  if (is_code_cache(k_cache))
     return paged_attention_q8(query, key, value, k_cache, v_cache, block_table, slot_mapping, query_pos, seq_lens,
                               scale, sliding_window, softcap, sinks);
   if (query.scalar_type() == k_cache.scalar_type() && key.scalar_type() == k_cache.scalar_type() &&
@@ -817,7 +856,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "streams (0 none, 1 V during K, 2 also the next piece's K during V) (measurements)",
         py::arg("mode"), py::arg("dist"), py::arg("l2_streams") = 2);
   m.def("qkv_paged_attention", &qkv_paged_attention_op, "fxc::qkv_paged_attention on CPU");
-  m.def("write_cache_q8", &write_cache_q8_cpu, "quantize K/V rows [B, Hkv, S, D] into int8 cache slots [B, S] "
+  m.def("write_cache_q8", &write_cache_q8_cpu, "quantize K/V rows [B, Hkv, S, D] into int8 / fp8 cache slots [B, S] "
         "with the scales of the caches' last block");
   m.def("write_cache", &write_cache_cpu, "write K/V rows [B, Hkv, S, D] into cache slots [B, S]");
   m.def("rms_norm", &fxc_rms_norm_cpu, "fxc::rms_norm CPU kernel");
