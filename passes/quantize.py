@@ -241,7 +241,7 @@ class QuantizePass:
             if from_ckpt[0].bits == 4:
                 mins = torch.cat([p.mins for p in from_ckpt], 0)
                 group = from_ckpt[0].group
-                q, s, m = pack_int4(codes, scales, mins, group)
+                q, s, m = pack_int4(codes, scales, mins, group, compact=True)
                 return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
             q, s, gs = pack_int8_codes(codes, scales)
             return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
@@ -269,7 +269,7 @@ class QuantizePass:
                 q, s = pack_fp8(codes, scales)
                 return "f8", self._add(gm, ctx, target, info, q=q, scales=s)
             if weight == "int4":
-                q, s, m = pack_int4(codes, scales, mins, group)
+                q, s, m = pack_int4(codes, scales, mins, group, compact=True)
                 return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
             q, s, gs = pack_int8_codes(codes, scales)
             return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from fxcompiler.config import LLMConfig, QDtype, QuantizationConfig
 from fxcompiler.ops.linear import dequantize_linear_weight_int8
 from fxcompiler.ops.quant_linear import (dequantize_int4_codes, dequantize_linear_weight_fp8, dequantize_linear_weight_int4,
-                                         linear_w4, linear_w4_reference, pack_fp8, pack_int4, quantize_fp8_codes,
+                                         fp16_if_exact, linear_w4, linear_w4_reference, pack_fp8, pack_int4, quantize_fp8_codes,
                                          quantize_linear_weight_fp8, quantize_linear_weight_int4, unpack_fp8, unpack_int4)
 from fxcompiler.quant_config import parse_qformat_metadata
 from fxcompiler.quant_options import quantization_options
@@ -121,6 +121,23 @@ def test_int4_pack_unpack_round_trip(n, groups, gs, seed):
     assert torch.equal(dequantize_linear_weight_int4(packed, ps, pm, n, gs), ref)
 
 
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 40), groups=st.integers(1, 3), seed=st.integers(0, 2**16), exact=st.booleans())
+def test_int4_compact_scales_only_when_lossless(n, groups, seed, exact):
+    """pack_int4(compact=True) stores scales and mins as fp16 exactly when every value is an fp16 value (one
+    that is not keeps both fp32), and the dequantised weight is the fp32 packing's bit for bit either way."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, 32 * groups), generator=g, dtype=torch.uint8)
+    s, m = torch.rand(n, groups, generator=g) * 0.1, torch.randn(n, groups, generator=g)
+    s = s.half().float()
+    m = m.half().float() if exact else m.half().float() + torch.where(torch.arange(groups) == 0, 2.0 ** -20, 0.0)
+    packed, ps, pm = pack_int4(q, s, m, 32, compact=True)
+    assert ps.dtype == pm.dtype == (torch.float16 if exact else torch.float32)
+    ref = dequantize_linear_weight_int4(*pack_int4(q, s, m, 32), n, 32)
+    assert torch.equal(dequantize_linear_weight_int4(packed, ps, pm, n, 32).view(torch.int32), ref.view(torch.int32))
+    assert fp16_if_exact(torch.tensor([1e5]))[0].dtype == torch.float32  # beyond fp16's range: kept
+
+
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 40), groups=st.integers(1, 3), gs=st.sampled_from([32, 64, 128]), sym=st.booleans(),
        seed=st.integers(0, 2**16))
@@ -213,9 +230,12 @@ def test_gguf_blocks_decode_to_gguf_py_dequantisation(n, g, qtype, seed):
         assert torch.equal(got, ref)
     else:  # bit for bit
         assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
-    if qtype != "Q8_0":  # through the op's own packer/dequantiser as well
+    if qtype != "Q8_0":  # through the op's own packer/dequantiser as well, fp32 and compact (fp16) scales
         packed, s, m = pack_int4(codes, scales, mins, 32)
         assert torch.equal(dequantize_linear_weight_int4(packed, s, m, n, 32), got)
+        packed, s, m = pack_int4(codes, scales, mins, 32, compact=True)
+        assert s.dtype == m.dtype == torch.float16  # d, m and -8d are fp16 values: stored in 2 bytes, losslessly
+        assert torch.equal(dequantize_linear_weight_int4(packed, s, m, n, 32).view(torch.int32), got.view(torch.int32))
 
 
 _FP16_OFFSETS = {"Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}  # where each block keeps its fp16 d (and dmin)

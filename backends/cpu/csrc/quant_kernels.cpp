@@ -129,8 +129,11 @@ struct V4 {
   static inline ireg bytes(const uint8_t* p) {  // L bytes -> L dwords
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
-  static inline reg lo(ireg v) { return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F))); }
-  static inline reg hi(ireg v) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)); }
+  // nibble -> float through a {0, 1, ..., 15} table: vpermps reads only the low 4 bits of each index,
+  // so the low nibble needs no mask (one p5 uop in place of an and and a cvtdq2ps)
+  static inline reg table() { return _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0); }
+  static inline reg lo(ireg v) { return _mm512_permutexvar_ps(v, table()); }
+  static inline reg hi(ireg v) { return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table()); }
   static inline reg load(const float* p) { return _mm512_loadu_ps(p); }
   static inline void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static inline reg zero() { return _mm512_setzero_ps(); }
@@ -160,6 +163,19 @@ struct V4 {
 #endif
 
 constexpr int kW4PrefetchBytes = 2048;  // weight stream prefetch distance
+
+// n fp16 values (n a multiple of 8) -> fp32, exactly (vcvtph2ps: subnormals too, whatever MXCSR says)
+inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
+#if defined(FXC_AVX512)
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+  for (; i < n; i += 8) _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#else
+  for (int64_t i = 0; i < n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+}
 
 // acc[r][0..32) = sum_g (s[g] * sum_{k in g} x[r][k] q[k][.] + m[g] * xsum[r][g]) straight from the packed
 // panel (R rows of x, ldx apart; xsum [R, G] are the rows' group sums).
@@ -224,12 +240,16 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t P = w.size(0);
   const int64_t G = (K + group_size - 1) / group_size;
   TORCH_CHECK(n >= 0 && n <= P * NB, "fxc::linear_w4: n=", n, " larger than the packed panels");
+  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "fxc::linear_w4: scales and mins must both be float32 or both float16, got ", scales.scalar_type(),
+              " and ", mins.scalar_type());
   for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 && t->size(0) == P &&
-                    t->size(1) == G && t->size(2) == NB,
-                "fxc::linear_w4: scales/mins must be contiguous float32 [P, G, 32] = [", P, ", ", G, ", 32], got ",
+    TORCH_CHECK(t->is_contiguous() && t->dim() == 3 && t->size(0) == P && t->size(1) == G && t->size(2) == NB,
+                "fxc::linear_w4: scales/mins must be contiguous [P, G, 32] = [", P, ", ", G, ", 32], got ",
                 t->sizes());
   }
+  const bool half_sm = scales.scalar_type() == at::kHalf;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = n;
   at::Tensor out = at::empty(out_shape, x.options());
@@ -244,8 +264,10 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   }
   const float* xp = xf.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const float* mp = mins.data_ptr<float>();
+  const float* sp = half_sm ? nullptr : scales.data_ptr<float>();
+  const float* mp = half_sm ? nullptr : mins.data_ptr<float>();
+  const uint16_t* sph = half_sm ? reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()) : nullptr;
+  const uint16_t* mph = half_sm ? reinterpret_cast<const uint16_t*>(mins.data_ptr<at::Half>()) : nullptr;
   const bool out_bf16 = x.scalar_type() == at::kBFloat16;
   float* of = out_bf16 ? nullptr : out.data_ptr<float>();
   c10::BFloat16* ob = out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
@@ -261,14 +283,19 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   const int64_t tasks = n_mb * P;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(direct ? 0 : static_cast<size_t>(K) * NB);
+    std::vector<float> sm_buf(half_sm ? static_cast<size_t>(2 * G * NB) : 0);  // a panel's fp16 scales, mins
     float acc[4 * NB];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / P, p = t % P;  // panels inner: a thread's panels are adjacent
       const int64_t cols = std::min<int64_t>(NB, n - p * NB);
       if (cols <= 0) continue;
       const uint8_t* wpan = wp + p * (K / 2) * NB;
-      const float* span = sp + p * G * NB;
-      const float* mpan = mp + p * G * NB;
+      const float* span = half_sm ? sm_buf.data() : sp + p * G * NB;
+      const float* mpan = half_sm ? sm_buf.data() + G * NB : mp + p * G * NB;
+      if (half_sm) {  // exact upcast (F16C), once per panel: 1/16 of the panel's weight loop
+        half_to_float(sph + p * G * NB, sm_buf.data(), G * NB);
+        half_to_float(mph + p * G * NB, sm_buf.data() + G * NB, G * NB);
+      }
       if (!direct) dequant_panel(wpan, span, mpan, K, group_size, tile.data());
       const int64_t m_end = direct ? M : std::min(M, (mb + 1) * MB);
       for (int64_t r0 = direct ? 0 : mb * MB; r0 < m_end; r0 += 4) {

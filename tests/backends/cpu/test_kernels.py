@@ -447,6 +447,49 @@ def test_linear_w4_matches_dequantised_reference(m, half_k, n, gs, seed, with_bi
         assert quant.isa() in ("avx512", "avx2")  # the C++ kernel ran, not the reference
 
 
+@SETTINGS
+@given(st.integers(1, 9), st.integers(1, 100), st.integers(1, 70), st.sampled_from([2, 32, 128]), st.integers(0, 2**31 - 1),
+       st.booleans())
+def test_linear_w4_fp16_scales_equal_fp32_scales_bit_for_bit(m, half_k, n, gs, seed, xbf16):
+    """Scales and mins stored as fp16 (pack_int4(compact=True), GGUF's own precision) give exactly the output of
+    the same values stored as fp32, on both paths (M <= 4 direct, M > 4 tile): the upcast is exact and the
+    arithmetic after it is the same."""
+    from fxcompiler.ops.quant_linear import linear_w4, pack_int4, unpack_int4
+
+    k = 2 * half_k
+    q, s, mins = unpack_int4(*_w4_problem(m, k, n, gs, seed), n)
+    s, mins = s.half().float(), mins.half().float()
+    wide, compact = pack_int4(q, s, mins, gs), pack_int4(q, s, mins, gs, compact=True)
+    assert compact[1].dtype == compact[2].dtype == torch.float16
+    x = _rand(m, k, seed=seed + 1, dtype=torch.bfloat16 if xbf16 else torch.float32)
+    bias = _rand(n, seed=seed + 2)
+    y16, y32 = linear_w4(x, *compact, bias, n, gs), linear_w4(x, *wide, bias, n, gs)
+    assert torch.equal(y16.view(torch.int16 if xbf16 else torch.int32), y32.view(torch.int16 if xbf16 else torch.int32))
+
+
+def test_linear_w4_scale_dtype_errors():
+    from fxcompiler.ops.quant_linear import linear_w4
+
+    packed, s, mins = _w4_problem(1, 64, 40, 32, 3)
+    x = _rand(1, 64, seed=4)
+    with pytest.raises(RuntimeError, match="scales and mins must both be float32 or both float16"):
+        linear_w4(x, packed, s.half(), mins, None, 40, 32)
+    with pytest.raises(RuntimeError, match="scales and mins must both be float32 or both float16"):
+        linear_w4(x, packed, s.double(), mins.double(), None, 40, 32)
+    with pytest.raises(Exception, match="scales and mins must both be float32 or both float16"):
+        _fake_w4(x, packed, s.half(), mins)
+
+
+def _fake_w4(x, packed, s, mins):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fxcompiler.ops.quant_linear import linear_w4
+
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(t) for t in (x, packed, s, mins)]
+        return linear_w4(*args[:4], None, 40, 32)
+
+
 def test_linear_w4_decode_rows_agree_with_tile_path():
     """Row r of an M <= 4 call (direct path) equals row r of an M = 9 call (tile path) within fp32 reordering."""
     from fxcompiler.ops.quant_linear import linear_w4
@@ -461,7 +504,8 @@ def test_linear_w4_decode_rows_agree_with_tile_path():
 _W4_PATHS_CODE = """
     import torch
     import backends.cpu.quant as quant
-    from fxcompiler.ops.quant_linear import dequantize_linear_weight_int4, linear_w4, quantize_linear_weight_int4
+    from fxcompiler.ops.quant_linear import (dequantize_linear_weight_int4, linear_w4, pack_int4,
+                                             quantize_linear_weight_int4, unpack_int4)
     torch.manual_seed(0)
     for m, k, n, gs in [(1, 78, 50, 32), (2, 64, 70, 32), (3, 130, 33, 64), (4, 576, 40, 32), (5, 64, 33, 32),
                         (70, 96, 40, 128)]:
@@ -470,6 +514,10 @@ _W4_PATHS_CODE = """
         wd = dequantize_linear_weight_int4(q, s, mn, n, gs).double()
         y = linear_w4(x, q, s, mn, b, n, gs)
         torch.testing.assert_close(y.double(), x.double() @ wd.T + b.double(), rtol=1e-4, atol=1e-4)
+        qc, sc, mc = unpack_int4(q, s, mn, n)  # the same values with fp16 scales and mins: the same output
+        qc, sc, mc = pack_int4(qc, sc.half().float(), mc.half().float(), gs, compact=True)
+        wide = pack_int4(*unpack_int4(qc, sc.float(), mc.float(), n), gs)
+        assert sc.dtype == torch.float16 and torch.equal(linear_w4(x, qc, sc, mc, b, n, gs), linear_w4(x, *wide, b, n, gs))
     print("OK", quant.isa())
 """
 
