@@ -3,6 +3,8 @@
     torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --master-addr HOST0 --master-port 29500 \\
         examples/torchrun_generate.py --model MODEL --tp 2 --requests requests.json --out tokens.json
 
+torchrun's world size must be dp × pp × tp (``--dp 2 --tp 2``: 4 ranks, two replicas of two).
+
 Every rank builds its shard inside ``LLM(...)``; ranks other than 0 serve steps there and exit
 when rank 0's LLM shuts down, so only rank 0 runs the code after it. ``--requests`` is a JSON
 ``{"prompt_token_ids": [[...], ...], "max_tokens": [...], "llm": {extra LLM kwargs}}``; greedy
@@ -19,6 +21,8 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--dp", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="generate the requests this many times")
     ap.add_argument("--requests", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cache-dir", default=None)
@@ -33,13 +37,16 @@ def main() -> None:
         prefill, decode = kw.pop("buckets")
         kw["bucket_config"] = ManualBucketConfig(prefill_buckets=[tuple(b) for b in prefill],
                                                  decode_buckets=[tuple(b) for b in decode])
-    with LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp, cache_dir=args.cache_dir,
-             **kw) as llm:  # ranks > 0 serve in here and exit
+    with LLM(args.model, tensor_parallel_size=args.tp, pipeline_parallel_size=args.pp,
+             data_parallel_size=args.dp, cache_dir=args.cache_dir, **kw) as llm:  # ranks > 0 serve in here and exit
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in req["max_tokens"]]
-        outs = llm.generate(None, params, prompt_token_ids=req["prompt_token_ids"])
+        print("generating", flush=True)
+        for _ in range(args.repeat):
+            outs = llm.generate(None, params, prompt_token_ids=req["prompt_token_ids"])
+        routed = getattr(llm.engine, "routed", None)  # data parallel: requests each replica received
         with open(args.out, "w") as f:
             json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "comm": llm.build_info["comm"],
-                       "plan": llm.parallel_plan.to_dict()}, f)
+                       "plan": llm.parallel_plan.to_dict(), "routed": routed}, f)
 
 
 if __name__ == "__main__":

@@ -381,8 +381,12 @@ class LLM:
         # -- build ---------------------------------------------------------------------------------
         from .build import ProgramRequest, build, compile_program, plan_kv_cache
 
-        if self.parallel_plan is not None and self.parallel_plan.tp * self.parallel_plan.pp > 1:
-            # the ranks build their shards; this process schedules (data-parallel replicas: one group each)
+        from .multihost import torchrun_env
+
+        if self.parallel_plan is not None and (self.parallel_plan.tp * self.parallel_plan.pp > 1
+                                               or torchrun_env() is not None):
+            # the ranks build their shards; this process schedules (data-parallel replicas: one group each,
+            # or under torchrun the job's ranks, dp x pp x tp of them)
             rank_kwargs = {k: v for k, v in llm_kwargs.items()  # the draft and its speculator live in this process
                            if not k.startswith("speculative_") and k != "num_speculative_tokens"}
             self._start_parallel(rank_kwargs, loaded.config, prefill, decode, paged_attention_block_size,
@@ -491,10 +495,8 @@ class LLM:
 
         try:
             if torchrun_env() is not None:  # several hosts: this is rank 0 (the others serve inside LLM())
-                peers, ready, step = start_torchrun(self.parallel_plan, llm_kwargs)
+                peers, readies, steps = start_torchrun(self.parallel_plan, llm_kwargs)  # a step per replica
                 self._workers.append(peers)
-                readies.append(ready)
-                steps.append(step)
             for _ in range(self.parallel_plan.dp if not steps else 0):
                 group, ready = start_rank_workers(replica_plan, llm_kwargs)
                 self._workers.append(group)

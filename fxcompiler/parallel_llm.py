@@ -154,16 +154,17 @@ def rank_main(rank: int, conn, world: int, port: int, plan: dict, llm_kwargs: di
             dist.destroy_process_group()
 
 
-def tp_group(plan: ParallelPlan, rank: int, *, shm: bool) -> tuple[str, Any, str]:
+def tp_group(plan: ParallelPlan, rank: int, *, shm: bool, timeout=None) -> tuple[str, Any, str]:
     """``(group name, process group, comm)`` of ``rank``'s tensor-parallel group: the world when
-    there is one pipeline stage, else one new group per stage (created by every rank, in order).
+    the plan is one replica of one stage, else one new group per (replica, stage), the ranks
+    ``[i·tp, (i+1)·tp)`` (created by every rank, in order; ``timeout`` their collectives' limit).
     ``comm`` is ``"shm"`` when the group joined a shared-memory segment (every rank on this host)."""
     import torch.distributed as dist
 
     pg = None
-    if plan.pp > 1:
-        for s in range(plan.pp):  # collective: every rank creates every group
-            g = dist.new_group(list(range(s * plan.tp, (s + 1) * plan.tp)))
+    if plan.pp * plan.dp > 1:
+        for s in range(plan.pp * plan.dp):  # collective: every rank creates every group
+            g = dist.new_group(list(range(s * plan.tp, (s + 1) * plan.tp)), timeout=timeout)
             if s == rank // plan.tp:
                 pg = g
     pg = pg if pg is not None else dist.group.WORLD
