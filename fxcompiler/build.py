@@ -41,7 +41,8 @@ def plan_kv_cache(geometry: ModelGeometry, *, block_size: int, max_context: int,
                   kv_dtype: torch.dtype | None = None) -> KvCachePlan:
     """Size the paged cache: ``num_blocks`` if given, else what fits ``memory_bytes`` (default 1 GiB),
     never more than the largest decode batch at full context needs. ``kv_dtype`` (default: the model's;
-    ``torch.int8`` for KV8) sets the element size, so an int8 cache gets 4x (fp32) / 2x (bf16) the blocks."""
+    ``torch.int8`` for KV8, ``torch.float8_e4m3fn`` for KVf8) sets the element size, so an int8 or fp8 cache gets
+    4x (fp32) / 2x (bf16) the blocks."""
     from runtime.block_manager import PagedKVCache
 
     g = geometry
@@ -299,7 +300,7 @@ def _build_fx(program: tuple[torch.fx.GraphModule, CompileContext], model_name: 
 def start_engine(geometry: ModelGeometry, result: BuildResult, *, prefill_buckets: list[Bucket],
                  decode_buckets: list[Bucket], scheduler_config: SchedulerConfig, kv: KvCachePlan,
                  device: torch.device, tokenizer, eos_token_ids: frozenset[int], max_context: int,
-                 kv_scales=None):
+                 kv_scales=None, kv_dtype: torch.dtype | None = None):
     from backends import get_backend
     from runtime.block_manager import BlockManager, PagedKVCache
     from runtime.engine import Engine
@@ -324,7 +325,7 @@ def start_engine(geometry: ModelGeometry, result: BuildResult, *, prefill_bucket
         executables[bucket] = compiled[key]
     g = geometry
     cache = PagedKVCache(g.num_layers, kv.num_blocks, kv.block_size, g.num_kv_heads, g.head_dim,
-                         torch.int8 if kv_scales is not None else g.dtype, device, kv_scales=kv_scales)
+                         kv_dtype or (torch.int8 if kv_scales is not None else g.dtype), device, kv_scales=kv_scales)
     blocks = BlockManager(kv.num_blocks, kv.block_size, kv.max_seqs, kv.max_blocks_per_seq)
     scheduler = Scheduler(scheduler_config, blocks, prefill_buckets, decode_buckets)
 

@@ -86,8 +86,8 @@ class EngineArgs:
         "enable_prefix_caching": "reuse KV blocks of shared prompt prefixes",
         "paged_attention_num_blocks": "KV-cache blocks (default: planned from memory)",
         "kv_cache_memory_bytes": "KV-cache memory budget in bytes",
-        "kv_cache_dtype": "auto (the model's dtype; int8 for a directory with kv_cache_scales.json) or int8 "
-                          "(static per-layer per-KV-head scales; docs/quantization.md KV8)",
+        "kv_cache_dtype": "auto (the model's dtype; the file's dtype for a directory with kv_cache_scales.json), "
+                          "int8 or fp8 / fp8_e4m3 (static per-layer per-KV-head scales; docs/quantization.md KV8, KVf8)",
         "auto_bfloat16_cast": "bf16 weights, compute and KV cache",
         "npu_queue_limit": "engine steps in flight before their outputs are consumed",
         "max_processing_samples": "cap on sequences processed concurrently",

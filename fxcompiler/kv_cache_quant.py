@@ -1,13 +1,19 @@
-"""The int8 KV cache (KV8): the ``kv_cache_dtype`` option and the calibration of its static scales.
+"""Quantized KV caches, int8 (KV8) and fp8 e4m3 (KVf8): the ``kv_cache_dtype`` option and the calibration
+of their static scales.
 
 ``kv_cache_dtype="auto"`` (default) keeps the model's dtype (fp32, or bf16 with ``auto_bfloat16_cast``);
 ``"int8"`` stores int8 codes with one float32 scale per layer and KV head for K and for V
-(vLLM's ``k_scale``/``v_scale``; x ~ code * scale, code = clamp(round(x / scale), -127, 127)).
+(vLLM's ``k_scale``/``v_scale``; x ~ code * scale, code = clamp(round(x / scale), -127, 127));
+``"fp8"`` (also ``"fp8_e4m3"``, vLLM's names; ``torch.float8_e4m3fn``) stores e4m3 values
+code = e4m3(clamp(x / scale, -448, 448)) (round to nearest even) with the same scales.
 The scales are static: :func:`quantize_kv_cache` takes the absmax of every layer's K and V (after the
 rotary embedding, i.e. what the cache stores) per KV head over calibration text run through the
-float-cache engine, times a margin (1.05), divided by 127. Without given scales, ``LLM(...,
-kv_cache_dtype="int8")`` calibrates at build time on a built-in sample (:data:`DEFAULT_CALIBRATION_TOKENS`
-tokens of the calibration half of ``pydoc_data.topics``, the half that perplexity is never measured on).
+float-cache engine, times a margin (1.05), divided by the code's largest value (127 or 448). Without given
+scales, ``LLM(..., kv_cache_dtype="int8" | "fp8")`` calibrates at build time on a built-in sample
+(:data:`DEFAULT_CALIBRATION_TOKENS` tokens of the calibration half of ``pydoc_data.topics``, the half that
+perplexity is never measured on); vLLM instead takes scale 1.0 for an fp8 cache whose checkpoint has none,
+which saturates any |K| above 448 and sends values below 2^-6 into e4m3's subnormals, so fxcompiler
+calibrates (``kv_cache_scales=1.0``-style unit scales can still be given explicitly).
 Layout: ``fxcompiler/ops/paged_attention.py`` (the scale block).
 """
 from __future__ import annotations
@@ -18,10 +24,13 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["KV_CACHE_DTYPES", "KV_SCALES_FILE", "DEFAULT_MARGIN", "DEFAULT_CALIBRATION_TOKENS", "parse_kv_cache_dtype",
+__all__ = ["KV_CACHE_DTYPES", "KV_TORCH_DTYPES", "KV_QMAX", "KV_SCALES_FILE", "DEFAULT_MARGIN", "DEFAULT_CALIBRATION_TOKENS", "parse_kv_cache_dtype",
            "quantize_kv_cache", "calibration_text", "save_kv_scales", "load_kv_scales", "check_kv_scales"]
 
-KV_CACHE_DTYPES = ("auto", "int8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+KV_TORCH_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # the cache tensors' dtype
+KV_QMAX = {"int8": 127.0, "fp8": 448.0}  # the largest code value: scale = amax * margin / qmax
+_ALIASES = {"fp8_e4m3": "fp8", "fp8-e4m3": "fp8", "float8_e4m3fn": "fp8", "e4m3": "fp8"}
 KV_SCALES_FILE = "kv_cache_scales.json"
 DEFAULT_MARGIN = 1.05
 DEFAULT_CALIBRATION_TOKENS = 1024
@@ -29,13 +38,19 @@ _MIN_SCALE = 1e-8  # a head whose calibration values are all zero still gets a u
 
 
 def parse_kv_cache_dtype(value) -> str:
-    """``"auto"`` or ``"int8"`` (also ``torch.int8``); ValueError naming ``kv_cache_dtype`` otherwise."""
+    """``"auto"``, ``"int8"`` (also ``torch.int8``) or ``"fp8"`` (also ``"fp8_e4m3"``, ``torch.float8_e4m3fn``);
+    ValueError naming ``kv_cache_dtype`` otherwise (``"fp8_e5m2"`` included: only e4m3 caches are built)."""
     if value is torch.int8:
         return "int8"
-    if isinstance(value, str) and value.strip().lower() in KV_CACHE_DTYPES:
-        return value.strip().lower()
-    raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {value!r} "
-                     "(fp8 KV caches are not implemented)")
+    if value is torch.float8_e4m3fn:
+        return "fp8"
+    if isinstance(value, str):
+        text = value.strip().lower()
+        text = _ALIASES.get(text, text)
+        if text in KV_CACHE_DTYPES:
+            return text
+    raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)} (or 'fp8_e4m3'), got {value!r} "
+                     "(fp8_e5m2 caches are not implemented)")
 
 
 def calibration_text(max_chars: int | None = None) -> str:
@@ -60,19 +75,23 @@ def _token_windows(llm, text: str | list[str], num_tokens: int, window: int) -> 
 
 
 def quantize_kv_cache(llm, text: str | list[str] | None = None, *, num_tokens: int = DEFAULT_CALIBRATION_TOKENS,
-                      margin: float = DEFAULT_MARGIN) -> tuple[torch.Tensor, torch.Tensor]:
-    """Static KV8 scales ``(k_scales, v_scales)``, each ``[num_layers, num_kv_heads]`` float32, of a running
-    float-cache ``llm``: its caches' absmax per layer and KV head after prefilling ``num_tokens`` tokens of
-    ``text`` (default: :func:`calibration_text`), times ``margin``, / 127."""
+                      margin: float = DEFAULT_MARGIN, kv_dtype: str = "int8") -> tuple[torch.Tensor, torch.Tensor]:
+    """Static KV8 / KVf8 scales ``(k_scales, v_scales)``, each ``[num_layers, num_kv_heads]`` float32, of a
+    running float-cache ``llm``: its caches' absmax per layer and KV head after prefilling ``num_tokens`` tokens
+    of ``text`` (default: :func:`calibration_text`), times ``margin``, / 127 (``kv_dtype="int8"``) or / 448
+    (``"fp8"``)."""
     if margin < 1.0:
         raise ValueError(f"margin must be >= 1.0, got {margin!r}")
+    if kv_dtype not in KV_QMAX:
+        raise ValueError(f"kv_dtype must be one of {list(KV_QMAX)}, got {kv_dtype!r}")
+    qmax = KV_QMAX[kv_dtype]
     engine = getattr(llm, "engine", None)
     runner = getattr(engine, "runner", None)
     kv = getattr(runner, "kv", None)
     if kv is None or not hasattr(kv, "k"):
         raise NotImplementedError("quantize_kv_cache needs a single-process engine whose KV cache this process "
                                   "holds (tensor/pipeline/data-parallel engines keep it in their workers)")
-    if kv.dtype == torch.int8:
+    if kv.dtype in KV_TORCH_DTYPES.values():
         raise ValueError("quantize_kv_cache needs an engine with a float KV cache (kv_cache_dtype='auto')")
     from .sampling_params import SamplingParams  # noqa: PLC0415
 
@@ -86,19 +105,26 @@ def quantize_kv_cache(llm, text: str | list[str] | None = None, *, num_tokens: i
         for i, (k, v) in enumerate(zip(kv.k, kv.v)):
             k_amax[i] = torch.maximum(k_amax[i], k[1:kv.num_blocks].abs().amax(dim=(0, 1, 3)).float())
             v_amax[i] = torch.maximum(v_amax[i], v[1:kv.num_blocks].abs().amax(dim=(0, 1, 3)).float())
-    return ((k_amax * margin / 127).clamp_min(_MIN_SCALE), (v_amax * margin / 127).clamp_min(_MIN_SCALE))
+    return ((k_amax * margin / qmax).clamp_min(_MIN_SCALE), (v_amax * margin / qmax).clamp_min(_MIN_SCALE))
 
 
 def check_kv_scales(scales, num_layers: int, num_kv_heads: int, what: str = "kv_cache_scales"):
-    """``(k, v)`` float32 ``[num_layers, num_kv_heads]`` tensors from a pair / dict / file path; errors name ``what``."""
+    """``(k, v)`` float32 ``[num_layers, num_kv_heads]`` tensors from a pair / dict / file path, or one number for
+    every scale (e.g. ``1.0``, what vLLM takes for an fp8 cache without scales); a ``[num_layers]`` scale (vLLM's
+    per-layer ``k_scale``) is repeated over the KV heads. Errors name ``what``."""
     if isinstance(scales, (str, os.PathLike)):
         scales = load_kv_scales(scales)
+    if isinstance(scales, (int, float)) and not isinstance(scales, bool):
+        scales = (torch.full((num_layers, num_kv_heads), float(scales)),) * 2
     if isinstance(scales, dict):
         scales = (scales.get("k_scale"), scales.get("v_scale"))
     try:
         k, v = (torch.as_tensor(x, dtype=torch.float32) for x in scales)
     except (TypeError, ValueError, RuntimeError) as exc:
-        raise ValueError(f"{what} must be (k_scales, v_scales) or {{'k_scale': ..., 'v_scale': ...}}: {exc}") from None
+        raise ValueError(f"{what} must be (k_scales, v_scales), {{'k_scale': ..., 'v_scale': ...}} or one positive "
+                         f"number: {exc}") from None
+    k, v = (t.view(-1, 1).expand(num_layers, num_kv_heads).contiguous() if tuple(t.shape) == (num_layers,) else t
+            for t in (k, v))
     for name, t in (("k_scale", k), ("v_scale", v)):
         if tuple(t.shape) != (num_layers, num_kv_heads):
             raise ValueError(f"{what}: {name} must be [num_layers={num_layers}, num_kv_heads={num_kv_heads}], "
@@ -108,12 +134,14 @@ def check_kv_scales(scales, num_layers: int, num_kv_heads: int, what: str = "kv_
     return k, v
 
 
-def save_kv_scales(path, k: torch.Tensor, v: torch.Tensor, extra: dict | None = None) -> Path:
-    """Write ``kv_cache_scales.json`` (``path`` a directory or a file)."""
+def save_kv_scales(path, k: torch.Tensor, v: torch.Tensor, extra: dict | None = None, kv_dtype: str = "int8") -> Path:
+    """Write ``kv_cache_scales.json`` (``path`` a directory or a file) for an ``int8`` or ``fp8`` cache."""
+    if kv_dtype not in KV_QMAX:
+        raise ValueError(f"kv_dtype must be one of {list(KV_QMAX)}, got {kv_dtype!r}")
     path = Path(path)
     if path.is_dir():
         path = path / KV_SCALES_FILE
-    data = {"kv_cache_dtype": "int8", "k_scale": k.tolist(), "v_scale": v.tolist(), **(extra or {})}
+    data = {"kv_cache_dtype": kv_dtype, "k_scale": k.tolist(), "v_scale": v.tolist(), **(extra or {})}
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, path)
@@ -128,6 +156,7 @@ def load_kv_scales(path) -> dict:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"kv_cache_scales={str(path)!r} cannot be read: {exc}") from exc
-    if data.get("kv_cache_dtype") != "int8" or "k_scale" not in data or "v_scale" not in data:
-        raise ValueError(f"kv_cache_scales={str(path)!r}: expected kv_cache_dtype 'int8', k_scale and v_scale")
+    if data.get("kv_cache_dtype") not in KV_QMAX or "k_scale" not in data or "v_scale" not in data:
+        raise ValueError(f"kv_cache_scales={str(path)!r}: expected kv_cache_dtype 'int8' or 'fp8', k_scale and "
+                         f"v_scale, got kv_cache_dtype {data.get('kv_cache_dtype')!r}")
     return data

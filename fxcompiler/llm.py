@@ -19,7 +19,7 @@ import torch
 from .config import (BucketConfig, DefaultBucketConfig, KvCacheSharingAcrossBeamsConfig, LLMBackend, LLMConfig,
                      ManualBucketConfig, MinimalBucketConfig, SchedulerConfig, chunk_buckets,
                      resolve_prefill_chunk_size)
-from .models.loader import load_model_info, load_tokenizer, parse_dtype
+from .models.loader import load_tokenizer, parse_dtype
 from .models.sources import resolve_model_source
 from . import lifecycle
 from .chat_checks import check_messages, check_tools
@@ -249,41 +249,49 @@ class LLM:
 
         kv_quant = quantized_kv_dtype(quant_args["quantization_config"], quant_args["qformat_path"])
         given_kv = getattr(quant_args["quantization_config"], "kv_cache", None)
-        if given_kv is not None and given_kv.is_float and kv_cache_dtype == "int8":
-            raise ValueError(f"kv_cache_dtype='int8' conflicts with llm_config.quantization_config="
-                             f"{quant_args['quantization_config']} (a {given_kv.value} KV cache); use a KV8 scheme "
-                             "there (e.g. W8A16KV8) or leave kv_cache_dtype unset")
-        if kv_cache_scales is not None and kv_cache_dtype != "int8" and kv_quant != QDtype.INT8:
-            raise ValueError("kv_cache_scales is given only with kv_cache_dtype='int8'")
-        if given_kv is not None and given_kv.is_float:
+        quant_kv = {QDtype.INT8: "int8", QDtype.FP8: "fp8"}  # KV dtypes of a config -> kv_cache_dtype
+        if given_kv is not None and given_kv not in quant_kv and kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} conflicts with llm_config.quantization_config="
+                             f"{quant_args['quantization_config']} (a {given_kv.value} KV cache); use a KV8 / KVf8 "
+                             "scheme there (e.g. W8A16KV8, W4A16KVf8) or leave kv_cache_dtype unset")
+        if kv_quant in quant_kv and kv_cache_dtype not in ("auto", quant_kv[kv_quant]):
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} conflicts with the quantization's {kv_quant.value} KV "
+                             "cache (llm_config.quantization_config or the qformat's --kv_dtype)")
+        if kv_cache_scales is not None and kv_cache_dtype == "auto" and kv_quant not in quant_kv:
+            raise ValueError("kv_cache_scales is given only with kv_cache_dtype='int8' or 'fp8'")
+        if given_kv is not None and given_kv not in quant_kv:
             pass  # llm_config names a float KV cache: a kv_cache_scales.json beside the model is not used
         elif kv_cache_dtype == "auto" and qformat_path is not None and kv_cache_scales is None:
-            from .kv_cache_quant import KV_SCALES_FILE
+            from .kv_cache_quant import KV_SCALES_FILE, load_kv_scales
 
             scales_file = Path(os.fspath(qformat_path)).parent / KV_SCALES_FILE
-            if scales_file.is_file():  # written by `fxcompiler quantize --scheme ...+kv8`
-                kv_cache_dtype, kv_cache_scales = "int8", scales_file
+            if scales_file.is_file():  # written by `fxcompiler quantize --scheme ...+kv8 / +kvf8`
+                kv_cache_dtype, kv_cache_scales = load_kv_scales(scales_file)["kv_cache_dtype"], scales_file
         elif kv_cache_dtype == "auto" and kv_cache_scales is None and Path(os.fspath(model)).is_dir():
-            from .kv_cache_quant import KV_SCALES_FILE
+            from .kv_cache_quant import KV_SCALES_FILE, load_kv_scales
 
-            if (Path(os.fspath(model)) / KV_SCALES_FILE).is_file():
-                kv_cache_dtype, kv_cache_scales = "int8", Path(os.fspath(model)) / KV_SCALES_FILE
-        if kv_quant == QDtype.INT8:  # W8A16KV8, w_i8_a_i8_kv_i8, --kv_dtype int8: the int8 cache (scales
-            kv_cache_dtype = "int8"  # from kv_cache_scales / a kv_cache_scales.json, else calibrated at build)
-        if kv_cache_dtype == "int8":
+            scales_file = Path(os.fspath(model)) / KV_SCALES_FILE
+            if scales_file.is_file():
+                kv_cache_dtype, kv_cache_scales = load_kv_scales(scales_file)["kv_cache_dtype"], scales_file
+        if kv_quant in quant_kv:  # W8A16KV8, w_i8_a_i8_kv_i8, W4A16KVf8, --kv_dtype int8 / fp8: that cache (scales
+            if kv_cache_dtype not in ("auto", quant_kv[kv_quant]):  # from kv_cache_scales / a kv_cache_scales.json,
+                raise ValueError(f"the quantization's {kv_quant.value} KV cache conflicts with the "  # else calibrated)
+                                 f"{kv_cache_dtype} scales of {os.fspath(kv_cache_scales)!r}")
+            kv_cache_dtype = quant_kv[kv_quant]
+        if kv_cache_dtype != "auto":
             if tensor_parallel_size * pipeline_parallel_size > 1:
-                raise NotImplementedError("kv_cache_dtype='int8' with tensor/pipeline parallelism: the rank workers "
-                                          "would need their shard of the per-KV-head scales and their own "
-                                          "calibration; use kv_cache_dtype='auto'")
+                raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} with tensor/pipeline parallelism: the "
+                                          "rank workers would need their shard of the per-KV-head scales and their "
+                                          "own calibration; use kv_cache_dtype='auto'")
             if data_parallel_size not in (None, 1):
-                raise NotImplementedError("kv_cache_dtype='int8' with data_parallel_size > 1 is not wired (each "
-                                          "replica's cache would need the scales); use kv_cache_dtype='auto'")
+                raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} with data_parallel_size > 1 is not wired "
+                                          "(each replica's cache would need the scales); use kv_cache_dtype='auto'")
             if kv_cache_sharing_across_beams_config is not None:
-                raise NotImplementedError("kv_cache_dtype='int8' with kv_cache_sharing_across_beams_config is not "
-                                          "tested; use kv_cache_dtype='auto'")
+                raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} with kv_cache_sharing_across_beams_config "
+                                          "is not tested; use kv_cache_dtype='auto'")
             if artifacts_export_path is not None and speculative_model is not None:
-                raise NotImplementedError("exporting an artifact of a kv_cache_dtype='int8' target with a draft is "
-                                          "not wired")
+                raise NotImplementedError(f"exporting an artifact of a kv_cache_dtype={kv_cache_dtype!r} target with a "
+                                          "draft is not wired")
         self.kv_cache_dtype = kv_cache_dtype
         self.kv_cache_scales = None
         from .parallel_llm import resolve_plan
@@ -330,12 +338,14 @@ class LLM:
 
         # -- model, tokenizer ------------------------------------------------------------------------
         source = resolve_model_source(model)
-        loaded = load_model_info(source, cache_dir=self.cache_dir, hf_overrides=hf_overrides,
-                                 trust_remote_code=trust_remote_code)
+        from .models.info_cache import load_model_and_tokenizer
+
+        loaded, self.tokenizer = load_model_and_tokenizer(  # transformers-free when cached (models/info_cache.py)
+            source, cache_dir=self.cache_dir, hf_overrides=hf_overrides, trust_remote_code=trust_remote_code,
+            tokenizer=tokenizer, tokenizer_mode=tokenizer_mode)
         self.model_id = source.model_id
         self.model_config = loaded.config
         self.generation_config = loaded.generation_config
-        self.tokenizer = load_tokenizer(loaded.model_dir, tokenizer, tokenizer_mode, trust_remote_code)
 
         max_pos = getattr(loaded.config, "max_position_embeddings", None) or getattr(loaded.config, "n_positions", None)
         if max_pos is not None and max_seq_len_to_capture > max_pos:
@@ -446,18 +456,18 @@ class LLM:
         self._eos = self._eos_token_ids()
         self._prefill_buckets, self._decode_buckets = prefill, decode
         self.paged_attention_block_size = paged_attention_block_size
-        if kv_cache_dtype == "int8":
-            from .kv_cache_quant import check_kv_scales
+        if kv_cache_dtype != "auto":
+            from .kv_cache_quant import KV_TORCH_DTYPES, check_kv_scales
 
             if kv_cache_scales is None:  # the documented default: calibrate on the built-in pydoc_data sample
                 if skip_engine:
-                    raise ValueError("kv_cache_dtype='int8' with skip_engine=True needs kv_cache_scales (the "
-                                     "built-in calibration runs the engine)")
+                    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} with skip_engine=True needs kv_cache_scales "
+                                     "(the built-in calibration runs the engine)")
                 self.kv_cache_scales = self._calibrate_kv_cache(enable_prefix_caching)
             else:
                 g = self.geometry
                 self.kv_cache_scales = check_kv_scales(kv_cache_scales, g.num_layers, g.num_kv_heads)
-            self.kv_cache_plan = plan_kv_cache(self.geometry, **plan_args, kv_dtype=torch.int8)
+            self.kv_cache_plan = plan_kv_cache(self.geometry, **plan_args, kv_dtype=KV_TORCH_DTYPES[kv_cache_dtype])
         if artifacts_export_path is not None and spec_request is None:
             self._export_artifact(artifacts_export_path, param_saved_format)
         self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
@@ -548,9 +558,9 @@ class LLM:
             "quantization": getattr(self, "quantization", None),
             "passes_override": getattr(self, "_passes_override", None),
         }
-        if self.__dict__.get("kv_cache_scales") is not None:  # KV8: the static scales travel with the artifact
+        if self.__dict__.get("kv_cache_scales") is not None:  # KV8 / KVf8: the static scales travel with the artifact
             k, v = self.kv_cache_scales
-            settings["kv_cache"] = {"dtype": "int8", "k_scale": k.tolist(), "v_scale": v.tolist()}
+            settings["kv_cache"] = {"dtype": self.kv_cache_dtype, "k_scale": k.tolist(), "v_scale": v.tolist()}
         from .parallel_artifacts import plan_settings
 
         settings.update(plan_settings(self.__dict__.get("_mppp")))  # the parallel plan (a rank's shard: its rank)
@@ -562,15 +572,23 @@ class LLM:
                                extra=export_hook(self, param_saved_format) if speculative else None)
 
     def _calibrate_kv_cache(self, enable_prefix_caching: bool):
-        """KV8 scales from the built-in calibration sample, with a float-cache engine started for it."""
+        """KV8 / KVf8 scales from the built-in calibration sample, with a float-cache engine started for it."""
         from .kv_cache_quant import quantize_kv_cache
 
         self._start(False, enable_prefix_caching, None)
         try:
-            return quantize_kv_cache(self)
+            return quantize_kv_cache(self, kv_dtype=self.kv_cache_dtype)
         finally:  # the float engine goes; _start then builds the int8 one
             self._driver.close()
             self._driver, self.engine = None, None
+
+    def _kv_torch_dtype(self):
+        """The cache tensors' dtype: int8 / float8_e4m3fn once scales are set, else None (the model's)."""
+        if self.__dict__.get("kv_cache_scales") is None:
+            return None
+        from .kv_cache_quant import KV_TORCH_DTYPES
+
+        return KV_TORCH_DTYPES[self.kv_cache_dtype]
 
     def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config) -> None:
         """Start the engine over the built pipelines (unless ``skip_engine``) and its driver thread."""
@@ -583,7 +601,8 @@ class LLM:
                 self.geometry, self._build, prefill_buckets=self._prefill_buckets,
                 decode_buckets=self._decode_buckets, scheduler_config=self.scheduler_config, kv=self.kv_cache_plan,
                 device=self._device, tokenizer=self.tokenizer, eos_token_ids=self._eos,
-                max_context=self.max_seq_len_to_capture, kv_scales=self.__dict__.get("kv_cache_scales"))
+                max_context=self.max_seq_len_to_capture, kv_scales=self.__dict__.get("kv_cache_scales"),
+                kv_dtype=self._kv_torch_dtype())
                 for _ in range(plan.dp if plan is not None else 1)])
             self.engine.configure(enable_prefix_caching=enable_prefix_caching,
                                   prefill_chunk_size=self.prefill_chunk_size,
@@ -1087,23 +1106,27 @@ class LLM:
         obj._build = BuildResult(contents.pipelines, None, context)
         obj.pipelines = contents.pipelines
         obj.pipelines_with_meta = [(p, {"output_logits_size": 1}) for p in obj.pipelines]
-        kv8 = st.get("kv_cache")  # KV8 artifacts carry their static scales
+        kv8 = st.get("kv_cache")  # KV8 / KVf8 artifacts carry their static scales
         obj.kv_cache_scales, obj.kv_cache_dtype = None, "auto"
-        if kv_cache_dtype == "int8" and kv8 is None:
-            raise ValueError(f"kv_cache_dtype='int8': the artifact {os.fspath(path)!r} was built without KV8 scales "
-                             "(build it with kv_cache_dtype='int8')")
+        built_kv = None if kv8 is None else kv8.get("dtype", "int8")
+        if kv_cache_dtype not in (None, "auto") and kv_cache_dtype != built_kv:
+            raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: the artifact {os.fspath(path)!r} was built "
+                             + ("without KV cache scales" if kv8 is None else f"with {built_kv} KV cache scales")
+                             + f" (build it with kv_cache_dtype={kv_cache_dtype!r})")
         if kv8 is not None and kv_cache_dtype != "auto":
-            from .kv_cache_quant import check_kv_scales
+            from .kv_cache_quant import KV_TORCH_DTYPES, check_kv_scales
 
+            if built_kv not in KV_TORCH_DTYPES:
+                raise ValueError(f"artifact settings.kv_cache.dtype must be 'int8' or 'fp8', got {built_kv!r}")
             obj.kv_cache_scales = check_kv_scales(kv8, obj.geometry.num_layers, obj.geometry.num_kv_heads,
                                                   "artifact settings.kv_cache")
-            obj.kv_cache_dtype = "int8"
+            obj.kv_cache_dtype = built_kv
         obj.kv_cache_plan = plan_kv_cache(
             obj.geometry, block_size=st["block_size"], max_context=obj.max_seq_len_to_capture,
             max_decode_batch=max(b.batch_size for b in decode),
             max_processing_samples=scheduler_config.max_processing_samples,
             num_blocks=paged_attention_num_blocks, memory_bytes=kv_cache_memory_bytes,
-            kv_dtype=torch.int8 if obj.kv_cache_scales is not None else None)
+            kv_dtype=obj._kv_torch_dtype())
         obj._eos = frozenset(st["eos_token_ids"]) if "eos_token_ids" in st else obj._eos_token_ids()
         obj._prefill_buckets, obj._decode_buckets = prefill, decode
         obj.build_info = {"compile_cache": "artifact", "artifact": os.fspath(path), "export_seconds": 0.0}

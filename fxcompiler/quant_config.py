@@ -14,10 +14,14 @@ never silently casts; see docs/quantization.md):
   per-channel or per-group scales);
 * ``W4A16`` / ``W4A32``: ``fxc::linear_w4`` (asymmetric int4, scale and min per group of 32/64/128);
 * ``Wf8A16`` / ``Wf8A32`` (fp8 e4m3 weights, float activations): ``fxc::linear_f8`` (a scale per
-  output channel, ``amax / 448``). furiosa's ``w_f8_a_f8*`` keep the activations in fp8, which is not built;
+  output channel, ``amax / 448``);
+* ``Wf8Af8`` (furiosa's ``w_f8_a_f8``): ``fxc::linear_f8f8``: the same weights, each matmul's input quantized
+  per token to e4m3 at run time (``amax / 448``), fp32 products and sums; the rest of the model runs in fp32;
 * ``W8A8`` (furiosa's ``w_i8_a_i8``, KV cache bf16/fp32 or unset): ``fxc::linear_w8a8`` (int8 weights, a scale
   per output channel; each matmul's input quantized per token to int8 at run time, int32 dot products);
-  the rest of the model runs in fp32. ``W8A8KV8`` needs the int8 KV cache, refused here.
+  the rest of the model runs in fp32;
+* ``...KV8`` / ``...KVf8`` (an int8 / fp8 e4m3 KV cache with any scheme above: ``W8A8KV8``, ``W4A16KVf8``,
+  ``Wf8Af8KVf8``): the quantized paged KV cache (``kv_cache_dtype="int8"`` / ``"fp8"``).
 """
 from __future__ import annotations
 
@@ -206,14 +210,9 @@ def supported_reason(config: QuantizationConfig) -> str | None:
     """None when fxcompiler executes ``config``; else why not (the NotImplementedError text)."""
     if config.activation == QDtype.INT8 and config.weight != QDtype.INT8:
         return (f"{config}: int8 activations are built with int8 weights only (W8A8: fxc::linear_w8a8)")
-    if config.activation == QDtype.FP8:
-        return (f"{config}: fp8 activations need per-token fp8 activation quantization and an fp8 x fp8 matmul "
-                "kernel, which are not implemented yet; fp8 weights with bf16 or fp32 activations (Wf8A16, "
-                "Wf8A32: fxc::linear_f8) are")
-    if config.kv_cache == QDtype.FP8:
-        return (f"{config}: an fp8 KV cache needs fp8 blocks and scales inside the paged-attention kernels, which "
-                "are not implemented yet (a cast without scales would silently lose accuracy); the int8 KV cache "
-                "(KV8, kv_cache_dtype='int8') is")
+    if config.activation == QDtype.FP8 and config.weight != QDtype.FP8:
+        return (f"{config}: fp8 activations are built with fp8 weights only (Wf8Af8: fxc::linear_f8f8); "
+                f"{config.weight.value} weights take bf16 or fp32 activations")
     if config.weight == QDtype.FP32 and config.activation != QDtype.FP32:
         return f"{config}: fp32 weights with {config.activation.value} activations is not a supported scheme"
     return None

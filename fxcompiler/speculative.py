@@ -99,17 +99,19 @@ def parse_request(speculative_model, num_speculative_tokens, target_defaults: di
 
 def _refuse_kv8_draft(llm_kwargs: dict) -> None:
     """A draft built here keeps a float KV cache (its engine starts without the build-time KV8 calibration):
-    a ``*KV8`` draft config or a draft qformat with ``--kv_dtype int8`` is refused before anything is built."""
+    a ``*KV8`` / ``*KVf8`` draft config or a draft qformat with ``--kv_dtype int8`` / ``fp8`` is refused before
+    anything is built."""
     from .quant_config import QDtype
     from .quant_options import quantized_kv_dtype
 
     cfg = llm_kwargs.get("speculative_model_llm_config")
     kv = quantized_kv_dtype(getattr(cfg, "quantization_config", None), llm_kwargs.get("speculative_model_qformat_path"))
-    if kv == QDtype.INT8:
+    if kv in (QDtype.INT8, QDtype.FP8):
         raise NotImplementedError(
-            "speculative_model_llm_config / speculative_model_qformat_path name an int8 KV cache (KV8) for the draft: a "
-            "draft keeps a float KV cache of its own (the target's may be int8); give the draft its weight scheme "
-            "without KV8 (e.g. W8A16)")
+            f"speculative_model_llm_config / speculative_model_qformat_path name an {kv.value} KV cache "
+            f"({'KV8' if kv == QDtype.INT8 else 'KVf8'}) for the draft: "
+            "a draft keeps a float KV cache of its own (the target's may be int8 or fp8); give the draft its weight "
+            "scheme without KV8 / KVf8 (e.g. W8A16)")
 
 
 def _ngram_sizes(spec: str) -> tuple[int, int]:

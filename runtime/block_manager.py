@@ -43,14 +43,14 @@ class PagedKVCache:
     """The cache tensors themselves, one buffer for all layers (zeroed, resident as used).
 
     ``kv_scales=(k_scales, v_scales)``, each ``[num_layers, num_kv_heads]`` float32, with
-    ``dtype=torch.int8``: the int8 KV cache (KV8). Each layer's tensors get one extra block at the end,
-    the *scale block* holding that layer's scales (``fxcompiler.ops.paged_attention.kv8_scales``); the
-    block manager never hands it out (it sees ``num_blocks``)."""
+    ``dtype=torch.int8``: the int8 KV cache (KV8); ``dtype=torch.float8_e4m3fn``: the fp8 one (KVf8). Each
+    layer's tensors get one extra block at the end, the *scale block* holding that layer's scales
+    (``fxcompiler.ops.paged_attention.kv8_scales``); the block manager never hands it out (it sees ``num_blocks``)."""
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device, kv_scales=None):
-        if (dtype == torch.int8) != (kv_scales is not None):
-            raise ValueError("an int8 KV cache needs kv_scales (k_scales, v_scales), and only an int8 one takes them")
+        if (dtype in (torch.int8, torch.float8_e4m3fn)) != (kv_scales is not None):
+            raise ValueError("an int8 or fp8 KV cache needs kv_scales (k_scales, v_scales), and only those take them")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.dtype = dtype
         if kv_scales is not None:

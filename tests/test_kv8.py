@@ -149,8 +149,8 @@ def test_avx2_kernel_in_subprocess_if_avx512_here(kernels):
 
 
 def test_kv_cache_dtype_errors():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'int8'\]"):
-        parse_kv_cache_dtype("fp8")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'int8', 'fp8'\]"):
+        parse_kv_cache_dtype("fp8_e5m2")
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         EngineArgs(kv_cache_dtype="int4")
     assert EngineArgs(kv_cache_dtype="INT8").llm_kwargs()["kv_cache_dtype"] == "int8"
