@@ -135,6 +135,9 @@ struct V4 {
   static inline reg lo(ireg v) { return _mm512_permutexvar_ps(v, table()); }
   static inline reg hi(ireg v) { return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table()); }
   static inline reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static inline reg load(const uint16_t* p) {  // L fp16 -> fp32, exact
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static inline void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   static inline reg zero() { return _mm512_setzero_ps(); }
   static inline reg set1(float f) { return _mm512_set1_ps(f); }
@@ -153,6 +156,9 @@ struct V4 {
   static inline reg lo(ireg v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0x0F))); }
   static inline reg hi(ireg v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
   static inline reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline reg load(const uint16_t* p) {  // L fp16 -> fp32, exact (F16C)
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static inline void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   static inline reg zero() { return _mm256_setzero_ps(); }
   static inline reg set1(float f) { return _mm256_set1_ps(f); }
@@ -177,53 +183,117 @@ inline void half_to_float(const uint16_t* src, float* dst, int64_t n) {
 #endif
 }
 
-// acc[r][0..32) = sum_g (s[g] * sum_{k in g} x[r][k] q[k][.] + m[g] * xsum[r][g]) straight from the packed
-// panel (R rows of x, ldx apart; xsum [R, G] are the rows' group sums).
-template <int R>
-inline void direct_w4(const float* x, int64_t ldx, const float* xsum, int64_t G, const uint8_t* w, const float* sc,
-                      const float* mn, int64_t K, int64_t gs, float* acc) {
+// acc[s][r][0..32) = sum_g (s[g] * sum_{k in g} x[r][k] q[k][.] + m[g] * xsum[r][g]) straight from the packed
+// panels w[s] (R rows of x, ldx apart; xsum [R, G] are the rows' group sums). S panels are walked in lock step:
+// one core draws more DRAM bandwidth from several sequential streams than from one (fxc_kernels.cpp's
+// multi-stream GEMV), and the S independent accumulator sets hide the FMA latency. A panel's arithmetic is the
+// same whatever S is (the streams only interleave), so the output does not depend on the thread count.
+// Sc: float, or uint16_t for fp16 scales and mins (upcast as they are loaded, once per group).
+template <int R, int S, typename Sc>
+inline void direct_w4(const float* x, int64_t ldx, const float* xsum, int64_t G, const uint8_t* const* w,
+                      const Sc* const* sc, const Sc* const* mn, int64_t K, int64_t gs, float* const* acc) {
   using V = V4;
   using reg = typename V::reg;
   constexpr int NV = NB / V::L;
-  constexpr int PAR = R <= 2 ? 2 : 1;  // accumulator sets (even / odd k)
-  reg fin[R][NV];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) fin[r][v] = V::zero();
+  reg fin[S][R][NV];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) fin[s][r][v] = V::zero();
   for (int64_t g = 0; g < G; ++g) {
     const int64_t k0 = g * gs, k1 = std::min(K, k0 + gs);
-    reg a[PAR][R][NV];
-    for (int u = 0; u < PAR; ++u)
+    reg a[S][R][NV];
+    for (int s = 0; s < S; ++s)
       for (int r = 0; r < R; ++r)
-        for (int v = 0; v < NV; ++v) a[u][r][v] = V::zero();
+        for (int v = 0; v < NV; ++v) a[s][r][v] = V::zero();
     for (int64_t k = k0; k < k1; k += 2) {
-      const uint8_t* b = w + (k / 2) * NB;
-      if ((k & 2) == 0) _mm_prefetch(reinterpret_cast<const char*>(b) + kW4PrefetchBytes, _MM_HINT_T0);
-      reg q0[NV], q1[NV];
-      for (int v = 0; v < NV; ++v) {
-        const typename V::ireg q = V::bytes(b + v * V::L);
-        q0[v] = V::lo(q);
-        q1[v] = V::hi(q);
-      }
+      reg x0[R], x1[R];
       for (int r = 0; r < R; ++r) {
-        const reg x0 = V::set1(x[r * ldx + k]), x1 = V::set1(x[r * ldx + k + 1]);
+        x0[r] = V::set1(x[r * ldx + k]);
+        x1[r] = V::set1(x[r * ldx + k + 1]);
+      }
+      for (int s = 0; s < S; ++s) {
+        const uint8_t* b = w[s] + (k / 2) * NB;
+        if ((k & 2) == 0) _mm_prefetch(reinterpret_cast<const char*>(b) + kW4PrefetchBytes, _MM_HINT_T0);
+        reg q0[NV], q1[NV];
         for (int v = 0; v < NV; ++v) {
-          a[0][r][v] = V::fmadd(x0, q0[v], a[0][r][v]);
-          a[PAR - 1][r][v] = V::fmadd(x1, q1[v], a[PAR - 1][r][v]);
+          const typename V::ireg q = V::bytes(b + v * V::L);
+          q0[v] = V::lo(q);
+          q1[v] = V::hi(q);
+        }
+        for (int r = 0; r < R; ++r)
+          for (int v = 0; v < NV; ++v) a[s][r][v] = V::fmadd(x1[r], q1[v], V::fmadd(x0[r], q0[v], a[s][r][v]));
+      }
+    }
+    for (int s = 0; s < S; ++s)
+      for (int v = 0; v < NV; ++v) {
+        const reg sv = V::load(sc[s] + g * NB + v * V::L), mv = V::load(mn[s] + g * NB + v * V::L);
+        for (int r = 0; r < R; ++r) {
+          fin[s][r][v] = V::fmadd(sv, a[s][r][v], fin[s][r][v]);
+          fin[s][r][v] = V::fmadd(mv, V::set1(xsum[r * G + g]), fin[s][r][v]);
         }
       }
-    }
-    for (int v = 0; v < NV; ++v) {
-      const reg sv = V::load(sc + g * NB + v * V::L), mv = V::load(mn + g * NB + v * V::L);
-      for (int r = 0; r < R; ++r) {
-        reg t = a[0][r][v];
-        if constexpr (PAR == 2) t = V::add(t, a[1][r][v]);
-        fin[r][v] = V::fmadd(sv, t, fin[r][v]);
-        fin[r][v] = V::fmadd(mv, V::set1(xsum[r * G + g]), fin[r][v]);
-      }
-    }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NV; ++v) V::store(acc + r * NB + v * V::L, fin[r][v]);
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < NV; ++v) V::store(acc[s] + r * NB + v * V::L, fin[s][r][v]);
+}
+
+// streams per thread for R rows: the accumulators (2 * S * R * NV registers) stay within 16
+constexpr int w4_streams(int r) {
+  const int s = 8 / (r * (NB / V4::L));
+  return s >= 4 ? 4 : (s < 1 ? 1 : s);
+}
+
+// panels [p0, p1) of an M = R (<= 4) call: split into S contiguous sub-ranges walked in lock step, the
+// remainder one panel at a time; emit(p, acc) writes a panel's R x 32 results.
+template <int R, typename Sc, typename Emit>
+void direct_panels(int64_t p0, int64_t p1, const float* x, int64_t ldx, const float* xsum, int64_t G,
+                   const uint8_t* wp, const Sc* sp, const Sc* mp, int64_t K, int64_t gs, const Emit& emit) {
+  constexpr int S = w4_streams(R);
+  alignas(64) float acc[S][R * NB];
+  auto one = [&](int64_t p) {
+    const uint8_t* w1[1] = {wp + p * (K / 2) * NB};
+    const Sc* s1[1] = {sp + p * G * NB};
+    const Sc* m1[1] = {mp + p * G * NB};
+    float* a1[1] = {acc[0]};
+    direct_w4<R, 1>(x, ldx, xsum, G, w1, s1, m1, K, gs, a1);
+    emit(p, acc[0]);
+  };
+  const int64_t cnt = p1 - p0;
+  if (S == 1 || cnt < S) {
+    for (int64_t p = p0; p < p1; ++p) one(p);
+    return;
+  }
+  const int64_t base = cnt / S, rem = cnt % S;
+  int64_t start[S];
+  for (int s = 0; s < S; ++s) start[s] = p0 + s * base + std::min<int64_t>(s, rem);
+  for (int64_t i = 0; i < base; ++i) {
+    const uint8_t* ws[S];
+    const Sc* ss[S];
+    const Sc* ms[S];
+    float* as[S];
+    for (int s = 0; s < S; ++s) {
+      const int64_t p = start[s] + i;
+      ws[s] = wp + p * (K / 2) * NB;
+      ss[s] = sp + p * G * NB;
+      ms[s] = mp + p * G * NB;
+      as[s] = acc[s];
+    }
+    direct_w4<R, S>(x, ldx, xsum, G, ws, ss, ms, K, gs, as);
+    for (int s = 0; s < S; ++s) emit(start[s] + i, acc[s]);
+  }
+  for (int s = 0; s < rem; ++s) one(start[s] + base);
+}
+
+template <typename Sc, typename Emit>
+void direct_rows(int rows, int64_t p0, int64_t p1, const float* x, int64_t ldx, const float* xsum, int64_t G,
+                 const uint8_t* wp, const Sc* sp, const Sc* mp, int64_t K, int64_t gs, const Emit& emit) {
+  switch (rows) {
+    case 4: direct_panels<4>(p0, p1, x, ldx, xsum, G, wp, sp, mp, K, gs, emit); break;
+    case 3: direct_panels<3>(p0, p1, x, ldx, xsum, G, wp, sp, mp, K, gs, emit); break;
+    case 2: direct_panels<2>(p0, p1, x, ldx, xsum, G, wp, sp, mp, K, gs, emit); break;
+    default: direct_panels<1>(p0, p1, x, ldx, xsum, G, wp, sp, mp, K, gs, emit); break;
+  }
 }
 
 at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
@@ -279,51 +349,57 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
       for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) t += xp[r * K + k];
       xs[r * G + g] = t;
     }
-  const int64_t n_mb = direct ? 1 : (M + MB - 1) / MB;
-  const int64_t tasks = n_mb * P;
+  // one panel's rows [r0, r0 + rows) of results (acc: rows x 32) plus the bias, in x's dtype
+  auto emit = [&](int64_t p, int64_t r0, int rows, const float* acc) {
+    const int64_t cols = std::min<int64_t>(NB, n - p * NB);
+    for (int r = 0; r < rows; ++r) {
+      const int64_t base = (r0 + r) * n + p * NB;
+      for (int64_t j = 0; j < cols; ++j) {
+        float v = acc[r * NB + j] + (bf.empty() ? 0.f : bf[p * NB + j]);
+        if (out_bf16) ob[base + j] = c10::BFloat16(v);
+        else of[base + j] = v;
+      }
+    }
+  };
+  const int64_t Pn = (n + NB - 1) / NB;  // the panels that hold output columns
+  if (direct) {  // a thread's panels are adjacent; it walks them as several streams
+    const int rows = static_cast<int>(M);
+    auto emit_all = [&](int64_t p, const float* acc) { emit(p, 0, rows, acc); };
+    at::parallel_for(0, Pn, 1, [&](int64_t begin, int64_t end) {
+      if (half_sm)
+        direct_rows(rows, begin, end, xp, K, xs.data(), G, wp, sph, mph, K, group_size, emit_all);
+      else
+        direct_rows(rows, begin, end, xp, K, xs.data(), G, wp, sp, mp, K, group_size, emit_all);
+    });
+    return out;
+  }
+  const int64_t n_mb = (M + MB - 1) / MB;
+  const int64_t tasks = n_mb * Pn;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> tile(direct ? 0 : static_cast<size_t>(K) * NB);
-    std::vector<float> sm_buf(half_sm ? static_cast<size_t>(2 * G * NB) : 0);  // a panel's fp16 scales, mins
+    std::vector<float> tile(static_cast<size_t>(K) * NB);
+    std::vector<float> sm_buf(half_sm ? static_cast<size_t>(2 * G * NB) : 0);  // the tile's scales, mins
     float acc[4 * NB];
     for (int64_t t = begin; t < end; ++t) {
-      const int64_t mb = t / P, p = t % P;  // panels inner: a thread's panels are adjacent
-      const int64_t cols = std::min<int64_t>(NB, n - p * NB);
-      if (cols <= 0) continue;
+      const int64_t mb = t / Pn, p = t % Pn;  // panels inner: a thread's panels are adjacent
       const uint8_t* wpan = wp + p * (K / 2) * NB;
       const float* span = half_sm ? sm_buf.data() : sp + p * G * NB;
       const float* mpan = half_sm ? sm_buf.data() + G * NB : mp + p * G * NB;
-      if (half_sm) {  // exact upcast (F16C), once per panel: 1/16 of the panel's weight loop
+      if (half_sm) {  // exact upcast (F16C), once per panel and row block
         half_to_float(sph + p * G * NB, sm_buf.data(), G * NB);
         half_to_float(mph + p * G * NB, sm_buf.data() + G * NB, G * NB);
       }
-      if (!direct) dequant_panel(wpan, span, mpan, K, group_size, tile.data());
-      const int64_t m_end = direct ? M : std::min(M, (mb + 1) * MB);
-      for (int64_t r0 = direct ? 0 : mb * MB; r0 < m_end; r0 += 4) {
+      dequant_panel(wpan, span, mpan, K, group_size, tile.data());
+      const int64_t m_end = std::min(M, (mb + 1) * MB);
+      for (int64_t r0 = mb * MB; r0 < m_end; r0 += 4) {
         const int rows = static_cast<int>(std::min<int64_t>(4, m_end - r0));
         const float* xr = xp + r0 * K;
-        if (direct) {
-          switch (rows) {
-            case 4: direct_w4<4>(xr, K, xs.data() + r0 * G, G, wpan, span, mpan, K, group_size, acc); break;
-            case 3: direct_w4<3>(xr, K, xs.data() + r0 * G, G, wpan, span, mpan, K, group_size, acc); break;
-            case 2: direct_w4<2>(xr, K, xs.data() + r0 * G, G, wpan, span, mpan, K, group_size, acc); break;
-            default: direct_w4<1>(xr, K, xs.data() + r0 * G, G, wpan, span, mpan, K, group_size, acc); break;
-          }
-        } else {
-          switch (rows) {
-            case 4: micro<4>(xr, K, tile.data(), K, acc); break;
-            case 3: micro<3>(xr, K, tile.data(), K, acc); break;
-            case 2: micro<2>(xr, K, tile.data(), K, acc); break;
-            default: micro<1>(xr, K, tile.data(), K, acc); break;
-          }
+        switch (rows) {
+          case 4: micro<4>(xr, K, tile.data(), K, acc); break;
+          case 3: micro<3>(xr, K, tile.data(), K, acc); break;
+          case 2: micro<2>(xr, K, tile.data(), K, acc); break;
+          default: micro<1>(xr, K, tile.data(), K, acc); break;
         }
-        for (int r = 0; r < rows; ++r) {
-          const int64_t base = (r0 + r) * n + p * NB;
-          for (int64_t j = 0; j < cols; ++j) {
-            float v = acc[r * NB + j] + (bf.empty() ? 0.f : bf[p * NB + j]);
-            if (out_bf16) ob[base + j] = c10::BFloat16(v);
-            else of[base + j] = v;
-          }
-        }
+        emit(p, r0, rows, acc);
       }
     }
   });

@@ -490,6 +490,35 @@ def _fake_w4(x, packed, s, mins):
         return linear_w4(*args[:4], None, 40, 32)
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+@pytest.mark.parametrize("compact", [False, True])
+def test_linear_w4_decode_streams_match_reference_for_any_thread_count(m, compact):
+    """M <= 4 walks a thread's panels as several streams in lock step, the leftover panels one at a time: with
+    23 panels every split occurs (1 thread: 5 streams of 4 + 3 left over at M = 1; 2 threads: 11 and 12 panels),
+    each within the fp32 bound of the float64 reference, and bit-identical for every thread count."""
+    from fxcompiler.ops.quant_linear import linear_w4, pack_int4, unpack_int4
+
+    n, k = 23 * 32 - 5, 192
+    packed, s, mins = _w4_problem(m, k, n, 32, 11)
+    if compact:
+        q, s, mins = unpack_int4(packed, s, mins, n)
+        packed, s, mins = pack_int4(q, s.half().float(), mins.half().float(), 32, compact=True)
+    from fxcompiler.ops.quant_linear import dequantize_linear_weight_int4
+
+    x, bias = _rand(m, k, seed=12), _rand(n, seed=13)
+    wd = dequantize_linear_weight_int4(packed, s, mins, n, 32).double()
+    old = torch.get_num_threads()
+    try:
+        outs = []
+        for t in (1, 2, 3):
+            torch.set_num_threads(t)
+            outs.append(linear_w4(x, packed, s, mins, bias, n, 32))
+    finally:
+        torch.set_num_threads(old)
+    _check(outs[0], x, wd, bias)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+
+
 def test_linear_w4_decode_rows_agree_with_tile_path():
     """Row r of an M <= 4 call (direct path) equals row r of an M = 9 call (tile path) within fp32 reordering."""
     from fxcompiler.ops.quant_linear import linear_w4
@@ -508,7 +537,7 @@ _W4_PATHS_CODE = """
                                              quantize_linear_weight_int4, unpack_int4)
     torch.manual_seed(0)
     for m, k, n, gs in [(1, 78, 50, 32), (2, 64, 70, 32), (3, 130, 33, 64), (4, 576, 40, 32), (5, 64, 33, 32),
-                        (70, 96, 40, 128)]:
+                        (70, 96, 40, 128), (1, 192, 700, 32), (2, 64, 300, 32)]:  # the last two: several streams
         w, x, b = torch.randn(n, k), torch.randn(m, k), torch.randn(n)
         q, s, mn = quantize_linear_weight_int4(w, gs)
         wd = dequantize_linear_weight_int4(q, s, mn, n, gs).double()
