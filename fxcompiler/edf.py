@@ -126,6 +126,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
     qlin = importlib.import_module("fxcompiler.ops.quant_linear")
     moe = importlib.import_module("fxcompiler.ops.moe")
     w8a8 = importlib.import_module("fxcompiler.ops.w8a8_linear")
+    f8lin = importlib.import_module("fxcompiler.ops.f8_linear")
     ops = torch.ops.fxc
     # The fused q/k/v attention becomes ATen head views + the rope reference (Inductor fuses them
     # with their neighbours) around the attention op, kept or itself rewritten like a lone one.
@@ -140,6 +141,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         ops.linear_w8.default: lin.linear_w8_reference,
         ops.linear_f8.default: qlin.linear_f8_reference,
         ops.linear_w8a8.default: w8a8.linear_w8a8_reference,
+        ops.linear_f8f8.default: f8lin.linear_f8f8_composite,  # row quantization inlined, linear_f8 kept
         ops.linear_by_m.default: lin.linear_by_m_dense,
         ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined
     }

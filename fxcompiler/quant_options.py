@@ -154,6 +154,15 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
                 "W4A16 / Wf8A16 build for this model)")
         if qformat is not None and qformat.metadata.get("algorithm") == "smoothquant":
             opts["smoothquant"] = True
+    if opts and quantization_config is not None and quantization_config.activation == QDtype.FP8:
+        opts["activation"] = "fp8"  # Wf8Af8: per-token e4m3 activations (fxc::linear_f8f8)
+        experts = next((getattr(model_config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                        if getattr(model_config, a, None)), None)
+        if experts:
+            raise NotImplementedError(
+                f"llm_config.quantization_config={quantization_config} on model type "
+                f"{getattr(model_config, 'model_type', '?')!r}: its {experts} MoE experts run inside fxc::moe, which "
+                "has no fp8-activation kernel; Wf8Af8 is built for dense decoder layers (Wf8A16 builds for this model)")
     if keep_gguf_quantization and not check_source:
         opts.setdefault("weight", "native")
     elif keep_gguf_quantization:
@@ -205,8 +214,8 @@ def _cross_check(fmt: QuantizationConfig, given: QuantizationConfig | None, path
     reason = supported_reason(QuantizationConfig(fmt.weight, fmt.activation, kv))
     if reason is not None:
         raise NotImplementedError(f"qformat_path={path!r}: {reason}")
-    if kv is not None and kv.is_float and kv != QDtype.FP8 and kv != fmt.activation and fmt.activation.is_float:
+    if (kv is not None and kv.is_float and kv != QDtype.FP8 and kv != fmt.activation and fmt.activation.is_float
+            and fmt.activation != QDtype.FP8):  # fp8 activations (like int8 ones) keep an fp32 cache for bf16/fp32
         raise ValueError(f"qformat_path={path!r}: --kv_dtype {kv.value} with --act_dtype {fmt.activation.value}: the "
-                         "KV cache is kept in the activation dtype (or int8: --kv_dtype int8; fp8 caches are not "
-                         "implemented)")
+                         "KV cache is kept in the activation dtype (or quantized: --kv_dtype int8 / fp8)")
     return QuantizationConfig(fmt.weight, fmt.activation, kv, fmt.use_mcp)

@@ -44,7 +44,9 @@ from .quant_options import QFORMAT_FILE, QPARAM_FILE
 __all__ = ["RECIPE_FILE", "parse_scheme", "quantize_model"]
 
 RECIPE_FILE = "quantization_recipe.json"
-_LATER = {"fp8-act": "fp8 activations (per-token fp8 activation quantization and an fp8 x fp8 matmul kernel)"}
+_LATER = {"fp8-act": "writing an fp8-activation (Wf8Af8) qformat directory and kvf8 scales from this command are "
+                      "not built yet; LLM(..., llm_config=LLMConfig(quantization_config=QuantizationConfig."
+                      "w_f8_a_f8())) runs fp8 activations, kv_cache_dtype='fp8' the fp8 KV cache"}
 _BUILT = "w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16), w8a8, each optionally +kv8, or kv8 alone"
 
 
@@ -70,7 +72,7 @@ def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
     if s == "w8a8":  # KV cache unset: it stays fp32, like the activations between the matmuls
         return QuantizationConfig("int8", "int8"), ModuleScheme("int8", -1, True)
     if s == "wf8af8":
-        raise NotImplementedError(f"--scheme {scheme}: {_LATER['fp8-act']} not implemented yet (issue 17); built: {_BUILT}")
+        raise NotImplementedError(f"--scheme {scheme}: {_LATER['fp8-act']}; built here: {_BUILT}")
     m = re.fullmatch(r"w4a16-g(32|64|128)", s)
     if m:
         return QuantizationConfig.w_4_a_16(), ModuleScheme("int4", int(m.group(1)), False)

@@ -14,7 +14,8 @@ the compile-cache key), absent or None = nothing to do:
   (asymmetric scale + min per group of ``group_size``, default 128; a shorter last group is allowed);
   ``"fp8"`` → ``fxc::linear_f8`` (e4m3 codes, one scale ``amax / 448`` per output channel);
   ``"native"`` → only the checkpoint's own quantized tensors (``gguf``), everything else kept;
-* ``activation``: ``"int8"`` (W8A8) → the int8 per-channel matmuls become ``fxc::linear_w8a8`` (per-token
+* ``activation``: ``"fp8"`` (Wf8Af8) → the fp8 matmuls become ``fxc::linear_f8f8`` (per-token e4m3 activations;
+  any other weight raises). ``"int8"`` (W8A8) → the int8 per-channel matmuls become ``fxc::linear_w8a8`` (per-token
   dynamic int8 activations); an int8 group size, int4 or fp8 with it raises; a GGUF's native blocks stay
   weight-only. ``smoothquant``: the qparam must carry ``M.smooth_factor`` ``[K]`` for every quantized module
   (recorded and checked, positive and finite; ``fxcompiler quantize`` has already folded them into the
@@ -170,6 +171,9 @@ class QuantizePass:
                 elif kind == "f8":
                     q, s = args
                     new = graph.call_function(torch.ops.fxc.linear_f8.default, (site.x, q, s, site.bias, site.n))
+                elif kind == "f8f8":
+                    q, s = args
+                    new = graph.call_function(torch.ops.fxc.linear_f8f8.default, (site.x, q, s, site.bias, site.n))
                 else:
                     q, s, gs = args
                     new = graph.call_function(torch.ops.fxc.linear_w8.default, (site.x, q, s, site.bias, site.n, gs))
@@ -253,6 +257,7 @@ class QuantizePass:
         if weight == "int4" and group == -1:
             group = site.k  # one group per row
         a8 = self._w8a8(cfg, weight, group, target)
+        f8_kind = "f8f8" if self._f8f8(cfg, weight, target) else "f8"
         if qparam is not None:
             codes, scales, mins = qparam.codes_for([_module_name(n) for n in names], w, weight, group,
                                                    bool(scheme.get("symmetric", weight == "int8")))
@@ -267,7 +272,7 @@ class QuantizePass:
                                                                            pack_w8a8(codes, scales))))
             if weight == "fp8":
                 q, s = pack_fp8(codes, scales)
-                return "f8", self._add(gm, ctx, target, info, q=q, scales=s)
+                return f8_kind, self._add(gm, ctx, target, info, q=q, scales=s)
             if weight == "int4":
                 q, s, m = pack_int4(codes, scales, mins, group, compact=True)
                 return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
@@ -278,7 +283,7 @@ class QuantizePass:
             if group != -1:
                 raise PassError(f"quantize: fp8 weights have one scale per output channel, got group_size={group}")
             q, s = quantize_linear_weight_fp8(w)
-            return "f8", self._add(gm, ctx, target, info, q=q, scales=s)
+            return f8_kind, self._add(gm, ctx, target, info, q=q, scales=s)
         if weight == "int4":
             q, s, m = quantize_linear_weight_int4(w, group, bool(scheme.get("symmetric", False)))
             return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
@@ -301,6 +306,16 @@ class QuantizePass:
         if group != -1:
             raise PassError(f"quantize: W8A8 weights have one scale per output channel, {target!r} has "
                             f"group_size={group}")
+        return True
+
+    @staticmethod
+    def _f8f8(cfg: dict, weight: str, target: str) -> bool:
+        """True when this matmul takes per-token fp8 activations (``activation: fp8``, Wf8Af8); raises unless its
+        weight is fp8."""
+        if cfg.get("activation") != "fp8":
+            return False
+        if weight != "fp8":
+            raise PassError(f"quantize: fp8 activations (Wf8Af8) need fp8 weights, {target!r} has {weight}")
         return True
 
     @staticmethod

@@ -222,10 +222,8 @@ def test_npz_qparam_is_read_without_pickle(program, tmp_path):
     (META, 'modules:\n  "*": {weight: fp8, granularity: group, group_size: 32}\n', ValueError,
      "fp8 weights have one scale per output channel"),
     (META, 'modules:\n  "*": {weight: fp8, symmetric: false}\n', ValueError, "fp8 weights are symmetric"),
-    ("--weight_dtype fp8 --act_dtype fp8 --kv_dtype bf16\n", "", NotImplementedError,
-     "Wf8Af8KV16: fp8 activations need per-token fp8 activation quantization"),
-    ("--weight_dtype fp8 --act_dtype bf16 --kv_dtype fp8-E4M3\n", "", NotImplementedError,
-     "an fp8 KV cache needs fp8 blocks and scales"),
+    ("--weight_dtype int8 --act_dtype fp8 --kv_dtype bf16\n", "", NotImplementedError,
+     "W8Af8KV16: fp8 activations are built with fp8 weights only"),
     ("--weight_dtype int8 --act_dtype fp32 --kv_dtype bf16\n", "", ValueError,
      "--kv_dtype bf16 with --act_dtype fp32: the KV cache is kept in the activation dtype"),
 ])

@@ -56,10 +56,8 @@ def test_from_qformat_reads_furiosa_metadata_line(tmp_path):
 
 @pytest.mark.parametrize("cfg, match", [
     (QuantizationConfig("int4", "int8"), "int8 activations are built with int8 weights only"),
-    (QuantizationConfig.w_f8_a_f8(), "Wf8Af8KV16: fp8 activations need per-token fp8 activation quantization"),
-    (QuantizationConfig.w_f8_a_f8_kv_f8(), "fp8 activations need .*Wf8A16, Wf8A32"),
-    (QuantizationConfig("fp8", "bf16", "fp8"), "Wf8A16KVf8: an fp8 KV cache needs fp8 blocks and scales"),
-    (QuantizationConfig.w_4_a_16_kv_f8(), "W4A16KVf8: an fp8 KV cache .* the int8 KV cache .* is"),
+    (QuantizationConfig("int8", "fp8"), "W8Af8: fp8 activations are built with fp8 weights only"),
+    (QuantizationConfig("int4", "fp8", "fp8"), "W4Af8KVf8: fp8 activations are built with fp8 weights only"),
 ])
 def test_unimplemented_schemes_raise_with_reason(cfg, match):
     with pytest.raises(NotImplementedError, match=match):
@@ -385,10 +383,8 @@ def test_quantize_pass_lm_head_option_and_errors():
 
 # -- LLM arguments (validated before any model is loaded) ------------------------------------------------------
 @pytest.mark.parametrize("kwargs, exc, match", [
-    (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_4_a_16_kv_f8())), NotImplementedError,
-     "an fp8 KV cache needs"),
-    (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig.w_f8_a_f8())), NotImplementedError,
-     "fp8 activations need"),
+    (dict(llm_config=LLMConfig(quantization_config=QuantizationConfig("int8", "fp8"))), NotImplementedError,
+     "fp8 activations are built with fp8 weights only"),
     (dict(quantization_group_size=64, llm_config=LLMConfig(quantization_config=QuantizationConfig.w_f8_a_16())),
      ValueError, "with fp8 weights"),
     (dict(qformat_path="qformat.yaml"), ValueError, "qformat_path='qformat.yaml' cannot be read"),

@@ -29,7 +29,7 @@ def test_pydoc_topics_split_is_deterministic_and_disjoint():
     (["--scheme", "kv8", "--algorithm", "gptq"], "--algorithm gptq quantizes weights; --scheme kv8"),
     (["--scheme", "w8a16", "--kv-calib-tokens", "64"], "--kv-calib-tokens applies to the kv8 scheme"),
     (["--scheme", "kv8", "--kv-calib-tokens", "0"], "--kv-calib-tokens must be a positive int"),
-    (["--scheme", "wf8af8"], "fp8 activations .* not implemented yet.*built: .*fp8"),
+    (["--scheme", "wf8af8"], "fp8-activation .Wf8Af8. qformat .* not built yet.*w_f8_a_f8.*built here: .*fp8"),
     (["--scheme", "w4a16-g48"], "--scheme must be w8a16"),
     (["--scheme", "w8a16", "--algorithm", "smoothquant"], "--algorithm smoothquant needs int8 activations"),
     (["--scheme", "w8a16", "--algorithm", "awq"], "--algorithm must be rtn, gptq or smoothquant, got .awq."),
