@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def main() -> None:
@@ -43,10 +44,11 @@ def main() -> None:
         print("generating", flush=True)
         for _ in range(args.repeat):
             outs = llm.generate(None, params, prompt_token_ids=req["prompt_token_ids"])
-        routed = getattr(llm.engine, "routed", None)  # data parallel: requests each replica received
-        with open(args.out, "w") as f:
-            json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "comm": llm.build_info["comm"],
-                       "plan": llm.parallel_plan.to_dict(), "routed": routed}, f)
+            routed = getattr(llm.engine, "routed", None)  # data parallel: requests each replica received
+            with open(args.out + ".tmp", "w") as f:  # after every round, whole (a reader never sees half)
+                json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "comm": llm.build_info["comm"],
+                           "plan": llm.parallel_plan.to_dict(), "routed": routed}, f)
+            os.replace(args.out + ".tmp", args.out)
 
 
 if __name__ == "__main__":

@@ -319,16 +319,22 @@ def test_dp2_router_keeps_a_shared_prefix_on_the_replica_that_holds_it(tiny_llam
         assert dp.engine.routed == [3, 0] and dp.engine.prefix_routed_tokens == [12, 0], dp.engine.routed
 
 
-def test_torchrun_two_loopback_hosts_match_one_process(tiny_llama, tp_cache, reference, tmp_path):
-    """docs/parallelism.md's recipe: two torchrun "hosts" (one rank each, separate torchrun
-    processes, env:// rendezvous on 127.0.0.1) run examples/torchrun_generate.py with tp=2."""
-    import json
+def _free_port() -> int:
     import socket
-    import subprocess
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+        return s.getsockname()[1]
+
+
+def _torchrun_hosts(tiny_llama, tp_cache, tmp_path, *args, nproc: int = 1, repeat: int = 1):
+    """Two torchrun "hosts" on 127.0.0.1 (separate torchrun processes, ``--nnodes 2``, ``nproc``
+    ranks each) running examples/torchrun_generate.py on the 16 mixed requests; their Popens
+    (stdout and stderr together, text) and the output path."""
+    import json
+    import subprocess
+
+    port = _free_port()
     req = tmp_path / "requests.json"
     req.write_text(json.dumps({"prompt_token_ids": _prompts(), "max_tokens": [p.max_tokens for p in PARAMS],
                                "llm": {"dtype": "float64", "max_seq_len_to_capture": 64,
@@ -337,17 +343,146 @@ def test_torchrun_two_loopback_hosts_match_one_process(tiny_llama, tp_cache, ref
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     procs = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(r), "--nproc-per-node",
-         "1", "--master-addr", "127.0.0.1", "--master-port", str(port), str(ROOT / "examples" / "torchrun_generate.py"),
-         "--model", tiny_llama, "--tp", "2", "--requests", str(req), "--out", str(out), "--cache-dir", str(tp_cache)],
+         str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(port),
+         str(ROOT / "examples" / "torchrun_generate.py"), "--model", tiny_llama, "--requests", str(req),
+         "--out", str(out), "--cache-dir", str(tp_cache), "--repeat", str(repeat), *args],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    return procs, out
+
+
+def _finish(procs, timeout: float = 600) -> list[str]:
     try:
-        logs = [p.communicate(timeout=600)[0] for p in procs]
+        return [p.communicate(timeout=timeout)[0] for p in procs]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_torchrun_two_loopback_hosts_match_one_process(tiny_llama, tp_cache, reference, tmp_path):
+    """docs/parallelism.md's recipe: two torchrun "hosts" (one rank each, separate torchrun
+    processes, env:// rendezvous on 127.0.0.1) run examples/torchrun_generate.py with tp=2."""
+    import json
+
+    procs, out = _torchrun_hosts(tiny_llama, tp_cache, tmp_path, "--tp", "2")
+    logs = _finish(procs)
     assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
     got = json.loads(out.read_text())
     assert got["tokens"] == reference
     assert got["comm"] == "gloo" and got["plan"]["tp"] == 2
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (from /proc)."""
+    parents: dict[int, list[int]] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            parents.setdefault(ppid, []).append(int(d))
+    out, todo = [], [pid]
+    while todo:
+        for c in parents.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _kill_rank_mid_generation(procs, node: int):
+    """Wait until rank 0 generates, SIGKILL the rank worker of ``node`` (its torchrun's first child);
+    returns the kill time, the worker pids of both nodes, and a thread collecting rank 0's output
+    lines with their time after the kill."""
+    line = ""
+    while "generating" not in line:
+        line = procs[0].stdout.readline()
+        assert line or procs[0].poll() is None, "rank 0 exited before generating"
+    time.sleep(0.5)
+    workers = [sorted(_descendants(p.pid)) for p in procs]
+    assert all(workers), workers
+    lines: list[tuple[float, str]] = []
+    os.kill(workers[node][0], signal.SIGKILL)
+    t0 = time.monotonic()
+
+    def read():
+        for ln in procs[0].stdout:
+            lines.append((time.monotonic() - t0, ln))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    return t0, workers, lines, reader
+
+
+def test_torchrun_a_killed_rank_is_named_within_10_s_and_every_process_exits(tiny_llama, tp_cache, tmp_path):
+    """Fault detection across hosts: rank 1 (the other host) SIGKILLed mid-generation -> rank 0's
+    generate raises a WorkerError naming rank 1 within 10 s, and every process of the job exits."""
+    procs, _ = _torchrun_hosts(tiny_llama, tp_cache, tmp_path, "--tp", "2", repeat=100000)
+    try:
+        t0, workers, lines, reader = _kill_rank_mid_generation(procs, node=1)
+        for p in procs:
+            p.wait(timeout=60)
+        reader.join(5)
+        named = [(t, ln) for t, ln in lines if "WorkerError: rank 1 (" in ln and "stopped its heartbeat" in ln]
+        assert named, "".join(ln for _, ln in lines)[-3000:]
+        assert named[0][0] < 10.0, named[0]
+        assert time.monotonic() - t0 < 30
+        assert [p.returncode for p in procs] == [1, 1]
+        assert not any(_alive(w) for ws in workers for w in ws), workers
+    finally:
+        _finish(procs, timeout=5)
+
+
+def test_torchrun_data_parallel_replicas_of_tp2_match_one_process_and_exit_when_rank_0_dies(
+        tiny_llama, tp_cache, reference, tmp_path):
+    """dp = 2 replicas of tp = 2 over two "hosts" of two ranks each (world 4 = dp × pp × tp): the
+    router in rank 0 spreads the 16 requests over both replicas, each replica's TP collectives run
+    on its own group, and the tokens are one process's. Then (one job start for both checks) rank 0
+    is SIGKILLed mid-generation: replica 0's rank 1 (in a collective with it) and replica 1's ranks
+    2 and 3 (waiting on the store for their next step) exit within seconds, not at a timeout."""
+    import json
+
+    procs, out = _torchrun_hosts(tiny_llama, tp_cache, tmp_path, "--tp", "2", "--dp", "2", nproc=2, repeat=100000)
+    try:
+        deadline = time.monotonic() + 600
+        while not out.exists():
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, "the job ended early"
+            time.sleep(0.2)
+        got = json.loads(out.read_text())
+        assert got["tokens"] == reference
+        assert (got["plan"]["dp"], got["plan"]["tp"]) == (2, 2) and got["comm"] == "gloo"
+        assert min(got["routed"]) >= 4, got["routed"]  # both replicas served a share
+
+        t0, workers, lines, reader = _kill_rank_mid_generation(procs, node=0)
+        others = [w for w in workers[0] if w != workers[0][0]] + workers[1]
+        assert len(others) == 3, workers
+        while any(_alive(w) for w in others) and time.monotonic() - t0 < 10:
+            time.sleep(0.05)
+        assert not any(_alive(w) for w in others), (others, time.monotonic() - t0)
+        for p in procs:
+            p.wait(timeout=30)
+        assert all(p.returncode != 0 for p in procs)
+    finally:
+        _finish(procs, timeout=5)
+
+
+def test_torchrun_worlds_other_than_dp_pp_tp_are_refused_naming_the_sizes(tiny_llama, monkeypatch):
+    from fxcompiler.mppp import PlanError
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(_free_port()))  # nothing listens: the refusal comes first
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(PlanError, match=r"torchrun started 4 ranks but tensor_parallel_size=2 × pipeline_parallel_size"
+                                        r"=1 × data_parallel_size=1 needs 2; with these tp and pp pass "
+                                        r"data_parallel_size=2"):
+        LLM(tiny_llama, tensor_parallel_size=2, cache_dir=None, **KW)
+    with pytest.raises(PlanError, match=r"torchrun started 4 ranks but tensor_parallel_size=1 × pipeline_parallel_size"
+                                        r"=1 × data_parallel_size=3 needs 3; .* pass data_parallel_size=4"):
+        LLM(tiny_llama, data_parallel_size=3, cache_dir=None, **KW)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(PlanError, match=r"torchrun started 3 ranks but tensor_parallel_size=2 × pipeline_parallel_size"
+                                        r"=1 × data_parallel_size=2 needs 4$"):
+        LLM(tiny_llama, tensor_parallel_size=2, data_parallel_size=2, cache_dir=None, **KW)
