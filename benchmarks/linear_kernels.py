@@ -20,9 +20,10 @@ Candidates:
         (mkldnn._linear_pointwise); the torch candidates take bf16 x
   int8: fxc.linear_w8 (per channel, and group 64), fxc.linear_f8 (fp8 e4m3 weights, also 1 byte/weight),
         aten._weight_int8pack_mm (per channel)
-  int4: fxc.linear_w4 group 32 (GGUF Q4_1's blocks: scale and min per 32 weights), fxc.linear_w8 group 32
-        (GGUF Q8_0's blocks, SmolLM2's output matrix); GB/s counts Q4_1's 20 bytes per 32 weights
-        (0.625 byte/weight) for both, so the two are comparable with llama.cpp's Q4_1
+  int4: fxc.linear_w4 group 32 (GGUF Q4_1's blocks: scale and min per 32 weights) with the scales and mins
+        stored as fp16 (what the native GGUF path builds, 0.625 byte/weight) and as fp32 (0.75),
+        fxc.linear_w8 group 32 (GGUF Q8_0's blocks, SmolLM2's output matrix); GB/s counts Q4_1's 20 bytes
+        per 32 weights (0.625 byte/weight) for all, so they are comparable with llama.cpp's Q4_1
 """
 
 from __future__ import annotations
@@ -136,11 +137,14 @@ def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
         from fxcompiler.ops.quant_linear import quantize_linear_weight_int4
 
         q4, s4, m4 = quantize_linear_weight_int4(w, 32)
-        c = copies_for(q4.numel() + 2 * s4.numel() * 4, pool_mb)
-        q4s = [(q4.clone(), s4.clone(), m4.clone()) for _ in range(c)]
-        yield "fxc.linear_w4 g32", lambda x, q4s=q4s: (
-            lambda qq, ss, mm: torch.ops.fxc.linear_w4(x, qq, ss, mm, None, n, 32), q4s)
-        del q4s
+        s4, m4 = s4.half().float(), m4.half().float()  # GGUF's d and m are fp16 values
+        for label, (ss4, mm4) in (("fxc.linear_w4 g32 (fp16 s/m)", (s4.half(), m4.half())),
+                                  ("fxc.linear_w4 g32 (fp32 s/m)", (s4, m4))):
+            c = copies_for(q4.numel() + 2 * ss4.numel() * ss4.element_size(), pool_mb)
+            q4s = [(q4.clone(), ss4.clone(), mm4.clone()) for _ in range(c)]
+            yield label, lambda x, q4s=q4s: (
+                lambda qq, ss, mm: torch.ops.fxc.linear_w4(x, qq, ss, mm, None, n, 32), q4s)
+            del q4s
         q, s = fxc.quantize_linear_weight_int8(w, 32)
         qs = [(q.clone(), s.clone()) for _ in range(copies_for(n * k * 9 // 8, pool_mb))]
         yield "fxc.linear_w8 g32", lambda x, qs=qs: (
