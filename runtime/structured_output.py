@@ -57,7 +57,8 @@ class GrammarCompiler:
             raise ValueError("guided_decoding needs the model's tokenizer; this engine has none")
         self.vocab_size = int(vocab_size)
         eos = sorted(int(t) for t in eos_token_ids) or None
-        self.tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=self.vocab_size, eos_token=eos)
+        hf = getattr(tokenizer, "hf_tokenizer", tokenizer)  # llguidance needs transformers' own (not a LightTokenizer)
+        self.tokenizer = llguidance.hf.from_tokenizer(hf, n_vocab=self.vocab_size, eos_token=eos)
         self.eos_token_ids = list(eos or ())
         self._cache: OrderedDict[str, str] = OrderedDict()
 

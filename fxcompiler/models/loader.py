@@ -198,6 +198,13 @@ def load_model_info(source: ModelSource, *, cache_dir: str | os.PathLike | None,
     return LoadedModel(None, config, generation_config, source.model_id, model_dir)
 
 
+def hf_config(config):
+    """The transformers object behind a cached config view (:mod:`fxcompiler.models.info_cache`), else ``config``."""
+    from .info_cache import ConfigView
+
+    return config.hf_object if isinstance(config, ConfigView) else config
+
+
 def target_dtype(config, dtype: torch.dtype | None) -> torch.dtype:
     """The dtype the model is instantiated in: ``dtype``, else the checkpoint's float dtype, else fp32."""
     ckpt_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
@@ -211,7 +218,7 @@ def instantiate_model(info: LoadedModel, *, use_random_weight: bool = False, dty
     """Fill ``info.model`` with the transformers model (checkpoint weights or seeded random ones)."""
     from transformers import AutoModelForCausalLM
 
-    config = info.config
+    config = info.config = hf_config(info.config)
     dtype = target_dtype(config, dtype)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
