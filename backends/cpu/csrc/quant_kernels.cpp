@@ -6,10 +6,12 @@
 // Schema, fake kernel and ATen reference: fxcompiler/ops/quant_linear.py. Layout (NB = 32 columns
 // per panel, P = ceil(N/32), G = ceil(K/group_size)):
 //   w_int4_packed uint8 [P, K/2, 32]: byte[p, i, j] = q[32p+j, 2i] | q[32p+j, 2i+1] << 4
-//   scales, mins  float [P, G, 32]   : w = fl(fl(s * q) + m)
+//   scales, mins  float or half [P, G, 32] (both the same): w = fl(fl(s * q) + m); fp16 ones (GGUF's own
+//                 precision: 0.625 byte per weight in all, not 0.75) are upcast exactly with F16C
 //
 // M <= 4 (decode): each panel is streamed once and dequantised in registers, per group
-// s * sum(q * x) + m * sum(x) (direct_w4; the rows' group sums are computed once per call).
+// s * sum(q * x) + m * sum(x) (direct_w4; the rows' group sums are computed once per call); nibbles become
+// floats through a vpermps table (AVX-512); each thread walks its panels as up to 4 streams in lock step.
 // M > 4: each (row block, panel) task dequantises its panel into an fp32 [K, 32] tile (bit-exactly the
 // reference's values: built with -ffp-contract=off, multiply then add) and multiplies the rows
 // of x with it from L1/L2 with a register-blocked micro-kernel (4 rows x 32 columns). The weight is
