@@ -171,7 +171,9 @@ class TorchrunPeers:
         self.closed = False
         self.failure: BaseException | None = None
         self.seq = [0] * plan.dp
-        self.ctl = store_client(60.0)
+        self.ctls = [store_client(60.0) for _ in range(plan.dp)]  # a client per replica: the replicas step at once
+        self.alarm = store_client(10.0)  # _diagnose's own client: a replica's may be blocked in a wait
+        self._awaiting: set[tuple[int, str]] = set()  # (replica, key) a step waits for; woken on failure
         self._lock = threading.Lock()
         self._stale = _Staleness(list(range(1, self.world)))
         self._reports: dict[int, tuple[int, str]] = {}
@@ -213,6 +215,8 @@ class TorchrunPeers:
             self.failure = self._WorkerError(f"{verdict}; every other rank was shut down")
         try:
             store.set("abort", verdict)  # the other ranks' heartbeat threads exit their processes
+            for _d, key in list(self._awaiting):
+                store.set(key, b"")  # wakes the step waiting for it, which raises the failure
         except Exception:  # noqa: BLE001 - the store is gone: the ranks exit on their own
             pass
         self.heartbeat.stop()
@@ -224,7 +228,7 @@ class TorchrunPeers:
         while self.failure is None and time.monotonic() < deadline:
             time.sleep(HEARTBEAT_S / 5)
         if self.failure is None:
-            self._fail(f"rank 0 ({self.infos[0]}) raised {type(exc).__name__}: {exc}", self.ctl)
+            self._fail(f"rank 0 ({self.infos[0]}) raised {type(exc).__name__}: {exc}", self.alarm)
         return self.failure
 
     # -- steps --------------------------------------------------------------------------------------
@@ -240,14 +244,14 @@ class TorchrunPeers:
                 raise self._WorkerError("the torchrun ranks were shut down")
             n = self.seq[d]
             self.seq[d] += 1
-            key = f"r{d}/s{n}"
+            key, ctl = f"r{d}/s{n}", self.ctls[d]
             try:
-                self.ctl.set(key, pickle.dumps(("step", bucket, arrays, copies, micro_batches), protocol=5))
+                ctl.set(key, pickle.dumps(("step", bucket, arrays, copies, micro_batches), protocol=5))
                 out = self.run_step(bucket, arrays, copies, micro_batches) if d == 0 else None
                 if lr != 0:
-                    out = torch.from_numpy(self._await(f"r{d}/l{n}"))
-                    self.ctl.delete_key(f"r{d}/l{n}")
-                self.ctl.delete_key(key)  # every rank of the replica took part in the step: it was read
+                    out = torch.from_numpy(self._await(d, f"r{d}/l{n}"))
+                    ctl.delete_key(f"r{d}/l{n}")
+                ctl.delete_key(key)  # every rank of the replica took part in the step: it was read
             except self._WorkerError:
                 raise
             except Exception as exc:  # noqa: BLE001 - a collective or the store failed: name the rank
@@ -256,17 +260,31 @@ class TorchrunPeers:
 
         return step
 
-    def _await(self, key: str):
-        while True:
-            if self.failure is not None:
-                raise self.failure
-            try:
-                self.ctl.wait([key], timedelta(seconds=HEARTBEAT_S))
-            except Exception as exc:  # noqa: BLE001
-                if _is_wait_timeout(exc):
-                    continue
-                raise
-            return pickle.loads(self.ctl.get(key))
+    def _await(self, d: int, key: str):
+        """The value a replica's logits rank posts under ``key``; the watch wakes the wait (an empty
+        value) when it declares a rank dead, so a long wait never outlives a failure."""
+        ctl = self._await_start(d, key)
+        try:
+            while True:
+                try:
+                    ctl.wait([key], timedelta(seconds=3600))  # no short timeouts: c10d logs each one
+                except Exception as exc:  # noqa: BLE001
+                    if _is_wait_timeout(exc):
+                        continue
+                    raise
+                raw = ctl.get(key)
+                if not raw:
+                    raise self.failure
+                return pickle.loads(raw)
+        finally:
+            self._awaiting.discard((d, key))
+
+    def _await_start(self, d: int, key: str):
+        with self._lock:
+            self._awaiting.add((d, key))
+        if self.failure is not None:
+            raise self.failure
+        return self.ctls[d]
 
     # -- teardown -----------------------------------------------------------------------------------
     def shutdown(self, timeout: float = 5.0) -> None:
@@ -279,7 +297,7 @@ class TorchrunPeers:
         try:
             if self.failure is None:
                 for d in range(self.plan.dp):
-                    self.ctl.set(f"r{d}/s{self.seq[d]}", pickle.dumps(("exit",)))
+                    self.ctls[d].set(f"r{d}/s{self.seq[d]}", pickle.dumps(("exit",)))
         except Exception:  # noqa: BLE001 - the store is gone: the ranks exit on their own
             pass
         finally:
@@ -381,10 +399,10 @@ def _serve(shard, plan: ParallelPlan, rank: int, run_step, ctl) -> None:
     while True:
         key = f"r{d}/s{n}"
         try:
-            ctl.wait([key], timedelta(seconds=1))
+            ctl.wait([key], timedelta(seconds=3600))  # idle: the heartbeat thread watches rank 0 meanwhile
         except Exception as exc:  # noqa: BLE001
             if _is_wait_timeout(exc):
-                continue  # idle: the heartbeat thread watches rank 0 meanwhile
+                continue
             store_gone(exc)
             continue
         msg = pickle.loads(ctl.get(key))

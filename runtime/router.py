@@ -9,12 +9,15 @@ With prefix caching the prompt's own cost counts too: the leading tokens a repli
 computed again there, so the request goes where queued tokens plus the prompt tokens left to
 compute are fewest; ties go to the lowest index. A shared system prompt thus stays on the
 replicas that hold it until their queues outweigh computing it elsewhere.
-A step steps every replica that has work and returns their outputs together. Each replica owns
-its scheduler, block manager and KV cache (in-process, or in its own rank workers when the
-replica is itself tensor/pipeline parallel).
+A step steps every replica that has work and returns their outputs together (in replica order).
+Each replica owns its scheduler, block manager and KV cache (in-process, or in its own rank
+workers when the replica is itself tensor/pipeline parallel). Replicas whose runner says
+``steps_concurrently`` (their step only waits on ranks of their own: torchrun's replicas) are
+stepped at once, one thread each; the others one after the other.
 """
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -36,6 +39,9 @@ class ReplicaRouter:
         self._where: dict[str, int] = {}  # request id -> its replica
         self.routed = [0] * len(self.replicas)  # requests each replica received (introspection)
         self.prefix_routed_tokens = [0] * len(self.replicas)  # prompt tokens routed onto a held prefix
+        self.concurrent = len(self.replicas) > 1 and all(
+            getattr(getattr(r, "runner", None), "steps_concurrently", False) for r in self.replicas)
+        self._pool: ThreadPoolExecutor | None = None
 
     # -- the Engine interface the LLM uses ---------------------------------------------------------
     def configure(self, **kwargs) -> None:
@@ -106,9 +112,15 @@ class ReplicaRouter:
         return any(r.has_unfinished_requests() for r in self.replicas)
 
     def step(self) -> list[RequestOutput]:
+        busy = [r for r in self.replicas if r.has_unfinished_requests()]
         outs: list[RequestOutput] = []
-        for r in self.replicas:
-            if r.has_unfinished_requests():
+        if self.concurrent and len(busy) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(len(self.replicas), thread_name_prefix="fxcompiler-replica")
+            for part in self._pool.map(lambda r: r.step(), busy):  # in replica order
+                outs.extend(part)
+        else:
+            for r in busy:
                 outs.extend(r.step())
         for out in outs:
             if out.finished:

@@ -184,6 +184,8 @@ class LocalStepRunner(ModelRunner):
     """:class:`ModelRunner` whose step is a function of ``(bucket, arrays, copies)`` (torchrun's rank 0:
     broadcast to the other ranks, then run its own shard)."""
 
+    steps_concurrently = True  # a replica's step waits on its own ranks: the router steps replicas at once
+
     def __init__(self, step: Callable, blocks: BlockManager, micro_batches: int = 1):
         super().__init__({}, RemoteKVCache(blocks.num_blocks, blocks.block_size), blocks, torch.device("cpu"))
         self.step_fn = step

@@ -107,3 +107,35 @@ def test_a_held_prefix_draws_requests_until_the_queue_outweighs_it():
     assert "big" in b.requests
     router.add_request("next", system + [4], SamplingParams(max_tokens=4))  # b: 30 + 61 - 40 = 51 > a: 5
     assert "next" in a.requests, router.loads()
+
+
+class _RemoteReplica(_Replica):
+    """A replica whose steps wait on ranks of its own (torchrun's): its runner says so."""
+
+    runner = SimpleNamespace(steps_concurrently=True)
+
+    def __init__(self, barrier):
+        super().__init__()
+        self.barrier = barrier
+
+    def step(self):
+        self.barrier.wait(timeout=5)  # passes only when the other replica steps at the same time
+        return super().step()
+
+
+def test_replicas_that_step_concurrently_are_stepped_at_once_outputs_in_replica_order():
+    import threading
+
+    barrier = threading.Barrier(2)
+    a, b = _RemoteReplica(barrier), _RemoteReplica(barrier)
+    router = ReplicaRouter([a, b])
+    assert router.concurrent and not ReplicaRouter([_Replica(), _Replica()]).concurrent
+    router.add_request("x", [1] * 4, SamplingParams(max_tokens=2))
+    router.add_request("y", [1] * 4, SamplingParams(max_tokens=2))
+    assert set(a.requests) == {"x"} and set(b.requests) == {"y"}
+    assert [o.request_id for o in router.step()] == ["x", "y"]  # sequential stepping would break the barrier
+    assert [(o.request_id, o.finished) for o in router.step()] == [("x", True), ("y", True)]
+    router.add_request("z", [1] * 4, SamplingParams(max_tokens=1))  # one busy replica: stepped in this thread
+    barrier_free = threading.Barrier(1)
+    a.barrier = b.barrier = barrier_free
+    assert [o.request_id for o in router.step()] == ["z"]
