@@ -55,7 +55,11 @@ def resolve_plan(tensor_parallel_size: int, pipeline_parallel_size: int, data_pa
                 raise PlanError(f"num_blocks_per_pp_stage has {len(stages)} stages but pipeline_parallel_size=1")
         return None
     if any(d.kind == "cuda" for d in devices):
-        raise NotImplementedError("tensor parallelism over cuda devices (NCCL) is not built yet; use cpu devices")
+        raise NotImplementedError(
+            "tensor/pipeline/data parallelism over cuda devices (NCCL ranks) is not built: a rank worker builds "
+            "its shard on the LLM's first device (no cuda:N per rank), feeds its step CPU tensors and returns "
+            "logits as NumPy, joins a gloo group (the shared-memory all-reduce and the pipeline sends are CPU "
+            "only), and the one-process CUDA path it would build on has never run on a GPU; use cpu devices")
     stages = None if num_blocks_per_pp_stage is None else [int(n) for n in num_blocks_per_pp_stage]
     if stages is not None and len(stages) != pp:
         raise PlanError(f"num_blocks_per_pp_stage={stages} has {len(stages)} stages but pipeline_parallel_size={pp}")

@@ -170,6 +170,13 @@ def test_impossible_plans_are_refused_before_any_worker_starts(tiny_llama):
         LLM(tiny_llama, tensor_parallel_size=4, devices="cpu:0,cpu:1", cache_dir=None, **KW)
 
 
+def test_cuda_ranks_are_refused_saying_what_is_missing(tiny_llama):
+    for kw in (dict(tensor_parallel_size=2, devices="cuda:0,cuda:1"), dict(devices="cuda:0,cuda:1")):  # tp; dp
+        with pytest.raises(NotImplementedError, match=r"parallelism over cuda devices \(NCCL ranks\) is not built: "
+                                                      r"a rank worker builds its shard on the LLM's first device"):
+            LLM(tiny_llama, cache_dir=None, **kw, **KW)
+
+
 def test_pp2_greedy_tokens_equal_one_process_and_stages_hold_their_blocks(tiny_llama, tp_cache, reference):
     with LLM(tiny_llama, pipeline_parallel_size=2, cache_dir=tp_cache, **KW) as pp:
         pids = pp._workers.pids()
