@@ -6,6 +6,7 @@ damaged, foreign or old entry is rebuilt with a logged reason, never trusted.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -277,3 +278,39 @@ def test_store_entry_keeps_an_existing_entry(both, smol_dir):
     before = (entry / "checksums.json").read_text()
     store_entry(entry, cold_info, cold_tok)  # a concurrent writer got there first: kept as it is
     assert (entry / "checksums.json").read_text() == before
+
+
+async def _deltas(llm, prompt, params) -> list[str]:
+    return [d async for d in llm.stream_generate(prompt, params)]
+
+
+@pytest.mark.slow
+def test_generation_equals_with_either_tokenizer(smol_dir, tmp_path):
+    """Greedy tokens, chat rendering, incremental text, special tokens and stop strings through the engine:
+    the same with the tokenizers-backed tokenizer as with transformers' (one LLM, its tokenizer swapped)."""
+    from fxcompiler import LLM, SamplingParams
+
+    llm = LLM(DEFAULT_MODEL_ID)
+    try:
+        _, light = load_model_and_tokenizer(resolve_model_source(str(smol_dir)), cache_dir=tmp_path)
+        _, light = load_model_and_tokenizer(resolve_model_source(str(smol_dir)), cache_dir=tmp_path)
+        assert isinstance(light, LightTokenizer)
+        hf = load_tokenizer(smol_dir)
+        chats = [CHAT[:2], [{"role": "user", "content": "List three colours, one per line."}]]
+        params = [SamplingParams(temperature=0, max_tokens=24),
+                  SamplingParams(temperature=0, max_tokens=24, skip_special_tokens=False, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=24, stop=["\n", "."], include_stop_str_in_output=True),
+                  SamplingParams(temperature=0, max_tokens=24, stop=[" the", ","])]
+        results = []
+        for tok in (hf, light):
+            llm.tokenizer = llm.engine.tokenizer = tok
+            runs = []
+            for p in params:
+                outs = llm.chat(chats, p)
+                runs.append([(o.prompt, o.prompt_token_ids, c.text, c.token_ids, c.finish_reason, c.stop_reason)
+                             for o in outs for c in o.outputs])
+            results.append((runs, asyncio.run(_deltas(llm, CHAT[1]["content"] + " 🤖", params[1]))))
+        assert results[0] == results[1]
+        assert any(c[2] for run in results[1][0] for c in run)  # text was generated
+    finally:
+        llm.shutdown()
