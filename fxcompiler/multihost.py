@@ -344,8 +344,9 @@ def start_torchrun(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
     kw = dict(llm_kwargs)
     if kw.get("artifacts_export_path") is not None:  # each rank exports its shard (fxcompiler/parallel_artifacts.py)
         if plan.dp > 1:
-            raise NotImplementedError("artifacts_export_path with data_parallel_size > 1 under torchrun: export the "
-                                      "plan of one replica (data_parallel_size=1), load it with data_parallel_size")
+            raise NotImplementedError(f"artifacts_export_path with data_parallel_size={plan.dp} under torchrun: "
+                                      "export from a job with data_parallel_size=1 (the artifact records one "
+                                      "replica's plan)")
         from .parallel_artifacts import rank_dir
 
         kw["artifacts_export_path"] = rank_dir(kw["artifacts_export_path"], rank)
