@@ -336,6 +336,10 @@ def start_torchrun(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
     env = torchrun_env()
     check_world(plan, env["world"])
     world = env["world"]
+    if llm_kwargs.get("artifacts_export_path") is not None and plan.dp > 1:
+        raise NotImplementedError(f"artifacts_export_path with data_parallel_size={plan.dp} under torchrun: "
+                                  "export from a job with data_parallel_size=1 (the artifact records one "
+                                  "replica's plan)")
     if not dist.is_initialized():
         dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     rank = dist.get_rank()
@@ -343,10 +347,6 @@ def start_torchrun(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
     group, _pg, comm = tp_group(plan, rank, shm=False, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     kw = dict(llm_kwargs)
     if kw.get("artifacts_export_path") is not None:  # each rank exports its shard (fxcompiler/parallel_artifacts.py)
-        if plan.dp > 1:
-            raise NotImplementedError(f"artifacts_export_path with data_parallel_size={plan.dp} under torchrun: "
-                                      "export from a job with data_parallel_size=1 (the artifact records one "
-                                      "replica's plan)")
         from .parallel_artifacts import rank_dir
 
         kw["artifacts_export_path"] = rank_dir(kw["artifacts_export_path"], rank)

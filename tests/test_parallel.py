@@ -475,7 +475,7 @@ def test_torchrun_data_parallel_replicas_of_tp2_match_one_process_and_exit_when_
         _finish(procs, timeout=5)
 
 
-def test_torchrun_worlds_other_than_dp_pp_tp_are_refused_naming_the_sizes(tiny_llama, monkeypatch):
+def test_torchrun_worlds_other_than_dp_pp_tp_are_refused_naming_the_sizes(tiny_llama, monkeypatch, tmp_path):
     from fxcompiler.mppp import PlanError
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
@@ -493,3 +493,6 @@ def test_torchrun_worlds_other_than_dp_pp_tp_are_refused_naming_the_sizes(tiny_l
     with pytest.raises(PlanError, match=r"torchrun started 3 ranks but tensor_parallel_size=2 × pipeline_parallel_size"
                                         r"=1 × data_parallel_size=2 needs 4$"):
         LLM(tiny_llama, tensor_parallel_size=2, data_parallel_size=2, cache_dir=None, **KW)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(NotImplementedError, match=r"artifacts_export_path with data_parallel_size=2 under torchrun"):
+        LLM(tiny_llama, data_parallel_size=2, artifacts_export_path=tmp_path / "art", cache_dir=None, **KW)
