@@ -350,7 +350,8 @@ def cmd_quantize(args) -> int:
     out = quantize_model(args.model_pos, args.output, args.scheme, algorithm=args.algorithm,
                          calib_data=args.calib_data, num_samples=args.num_samples, seq_len=args.seq_len,
                          seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR, gptq=gptq, observer=args.w_observer,
-                         smoothquant_alpha=args.smoothquant_alpha, kv_calib_tokens=args.kv_calib_tokens)
+                         smoothquant_alpha=args.smoothquant_alpha, kv_calib_tokens=args.kv_calib_tokens,
+                         kv_observer=args.kv_observer, kv_percentile=args.kv_percentile)
     print(f"quantized model: {out} (scheme {args.scheme}, {args.algorithm}); load it with LLM({str(out)!r})")
     return 0
 
@@ -410,9 +411,9 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
     qz.add_argument("output", metavar="OUT", help="directory to create (must not exist or be empty)")
     qz.add_argument("--scheme", required=True,
-                    help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 | fp8 (= wf8a16) | w8a8, each optionally +kv8 "
-                         "(e.g. w8a16+kv8: int8 KV cache with calibrated static scales), or kv8 alone "
-                         "(wf8af8: not built)")
+                    help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 | fp8 (= wf8a16) | wf8af8 (fp8 weights and "
+                         "per-token fp8 activations) | w8a8, each optionally +kv8 / +kvf8 (e.g. w8a16+kv8: int8 KV "
+                         "cache with calibrated static scales; +kvf8: fp8 e4m3), or kv8 / kvf8 alone")
     qz.add_argument("--algorithm", default="rtn", help="rtn | gptq | smoothquant (w8a8 only)")
     qz.add_argument("--smoothquant-alpha", type=float, default=0.5,
                     help="SmoothQuant migration strength in (0, 1]: s = max|X|^a / max|W|^(1-a)")
@@ -432,7 +433,12 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("--num-samples", type=int, default=128)
     qz.add_argument("--seq-len", type=int, default=512)
     qz.add_argument("--kv-calib-tokens", type=int, default=None,
-                    help="kv8: tokens of the calibration text prefilled to find the KV scales (default 1024)")
+                    help="kv8 / kvf8: tokens of the calibration text prefilled to find the KV scales (default 1024)")
+    qz.add_argument("--kv-observer", default="minmax", choices=("minmax", "percentile"),
+                    help="kv8 / kvf8: each layer's and KV head's scale from the absmax (minmax) or a percentile of "
+                         "|x| (percentile), times 1.05")
+    qz.add_argument("--kv-percentile", type=float, default=None,
+                    help="--kv-observer percentile: which percentile of |x|, in (0, 100] (default 99.99)")
     qz.add_argument("--seed", type=int, default=0)
     qz.add_argument("--cache-dir", default=None)
     qz.add_argument("-v", "--verbose", action="store_true")

@@ -159,7 +159,9 @@ def write_qformat(path: str | os.PathLike, config: QuantizationConfig, default: 
     import yaml
 
     meta = {"weight_dtype": config.weight.value, "act_dtype": config.activation.value,
-            "kv_dtype": (config.kv_cache or (config.activation if config.activation.is_float else QDtype.FP32)).value, **(extra_metadata or {})}
+            "kv_dtype": (config.kv_cache or (config.activation if config.activation.is_float and config.activation != QDtype.FP8
+                                             else QDtype.FP32)).value,  # int8 / fp8 activations: an fp32 cache
+            **(extra_metadata or {})}
     line = " ".join(f"--{k} {v}" for k, v in meta.items())
 
     def scheme(s: ModuleScheme) -> dict:

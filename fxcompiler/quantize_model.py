@@ -12,16 +12,19 @@ OUT holds the model's own files (config, tokenizer, float safetensors weights) p
 Built: RTN (round to nearest) and GPTQ (:mod:`fxcompiler.gptq`, calibrated on ``--num-samples`` windows of
 ``--seq-len`` tokens of the calibration text) for ``w8a16`` (int8 per channel) and ``w4a16-g{32,64,128}``
 (asymmetric int4 per group), and ``fp8`` (``wf8a16``: e4m3 weights, a scale ``amax / 448`` per channel,
-bf16 activations; GPTQ too), and ``w8a8`` (int8 weights per channel, per-token int8 activations at run time:
+bf16 activations; GPTQ too), ``wf8af8`` (the same fp8 weights, RTN or GPTQ, with per-token e4m3
+activations at run time: ``fxc::linear_f8f8``; the qformat says ``--act_dtype fp8 --kv_dtype fp32``, the rest of
+the model runs in fp32 as W8A8), and ``w8a8`` (int8 weights per channel, per-token int8 activations at run time:
 ``fxc::linear_w8a8``) with RTN, GPTQ or ``smoothquant`` (:mod:`fxcompiler.smoothquant`: factors from the
 calibration windows, folded into the RMSNorm and linear weights OUT's safetensors then hold, recorded as
-``M.smooth_factor``; then RTN). The Wf8Af8 scheme raises ``NotImplementedError``.
+``M.smooth_factor``; then RTN).
 
-``kv8`` (alone, or after a weight scheme: ``w8a16+kv8``) adds ``kv_cache_scales.json``: static per-layer,
-per-KV-head scales of an int8 KV cache (:mod:`fxcompiler.kv_cache_quant`), calibrated by prefilling
-``kv_calib_tokens`` tokens of the calibration text through the model OUT describes (its quantized weights
-included) with a float cache. ``LLM(OUT)`` then runs with ``kv_cache_dtype="int8"`` and these scales, without
-calibrating at start-up.
+``kv8`` / ``kvf8`` (alone, or after a weight scheme: ``w8a16+kv8``, ``wf8af8+kvf8``) adds
+``kv_cache_scales.json``: static per-layer, per-KV-head scales of an int8 / fp8 e4m3 KV cache
+(:mod:`fxcompiler.kv_cache_quant`), calibrated by prefilling ``kv_calib_tokens`` tokens of the calibration text
+through the model OUT describes (its quantized weights included) with a float cache, with the ``kv_observer``
+``minmax`` (absmax) or ``percentile`` (the ``kv_percentile``-th percentile of |x|). ``LLM(OUT)`` then runs with
+``kv_cache_dtype="int8"`` / ``"fp8"`` and these scales, without calibrating at start-up.
 """
 from __future__ import annotations
 
@@ -44,26 +47,28 @@ from .quant_options import QFORMAT_FILE, QPARAM_FILE
 __all__ = ["RECIPE_FILE", "parse_scheme", "quantize_model"]
 
 RECIPE_FILE = "quantization_recipe.json"
-_LATER = {"fp8-act": "writing an fp8-activation (Wf8Af8) qformat directory and kvf8 scales from this command are "
-                      "not built yet; LLM(..., llm_config=LLMConfig(quantization_config=QuantizationConfig."
-                      "w_f8_a_f8())) runs fp8 activations, kv_cache_dtype='fp8' the fp8 KV cache"}
-_BUILT = "w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16), w8a8, each optionally +kv8, or kv8 alone"
+_BUILT = ("w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16), wf8af8, w8a8, each optionally +kv8 or +kvf8, "
+          "or kv8 / kvf8 alone")
+_KV_SCHEMES = {"kv8": "int8", "kvf8": "fp8"}  # KV-cache scheme -> kv_cache_dtype
 
 
-def split_scheme(scheme: str) -> tuple[str | None, bool]:
-    """``"w8a16+kv8"`` → (``"w8a16"``, True); ``"kv8"`` → (None, True); ``"w8a16"`` → (``"w8a16"``, False)."""
+def split_scheme(scheme: str) -> tuple[str | None, str | None]:
+    """``"w8a16+kv8"`` → (``"w8a16"``, ``"int8"``); ``"kvf8"`` → (None, ``"fp8"``); ``"w8a16"`` → (``"w8a16"``,
+    None): the weight scheme and the KV cache's dtype."""
     if not isinstance(scheme, str):
         raise TypeError(f"--scheme must be a string, got {type(scheme).__name__}")
     parts = [p.strip().lower() for p in scheme.split("+")]
-    weights = [p for p in parts if p != "kv8"]
-    if "" in parts or len(weights) > 1 or parts.count("kv8") > 1:
-        raise ValueError(f"--scheme must be one weight scheme, kv8, or a weight scheme +kv8 (e.g. w8a16+kv8), "
-                         f"got {scheme!r}")
-    return (weights[0] if weights else None), "kv8" in parts
+    weights = [p for p in parts if p not in _KV_SCHEMES]
+    kvs = [p for p in parts if p in _KV_SCHEMES]
+    if "" in parts or len(weights) > 1 or len(kvs) > 1:
+        raise ValueError(f"--scheme must be one weight scheme, kv8 or kvf8, or a weight scheme +kv8 / +kvf8 (e.g. "
+                         f"w8a16+kv8), got {scheme!r}")
+    return (weights[0] if weights else None), (_KV_SCHEMES[kvs[0]] if kvs else None)
 
 
 def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
-    """``w8a16`` | ``w4a16-g{32,64,128}`` | ``fp8`` / ``wf8a16`` | ``w8a8`` → (config, the modules' scheme)."""
+    """``w8a16`` | ``w4a16-g{32,64,128}`` | ``fp8`` / ``wf8a16`` | ``wf8af8`` | ``w8a8`` → (config, the modules'
+    scheme)."""
     s = scheme.strip().lower()
     if s == "w8a16":
         return QuantizationConfig.w_i8_a_16(), ModuleScheme("int8", -1, True)
@@ -71,15 +76,15 @@ def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
         return QuantizationConfig.w_f8_a_16(), ModuleScheme("fp8", -1, True)
     if s == "w8a8":  # KV cache unset: it stays fp32, like the activations between the matmuls
         return QuantizationConfig("int8", "int8"), ModuleScheme("int8", -1, True)
-    if s == "wf8af8":
-        raise NotImplementedError(f"--scheme {scheme}: {_LATER['fp8-act']}; built here: {_BUILT}")
+    if s == "wf8af8":  # per-token e4m3 activations (fxc::linear_f8f8); the KV cache stays fp32, as for w8a8
+        return QuantizationConfig("fp8", "fp8"), ModuleScheme("fp8", -1, True)
     m = re.fullmatch(r"w4a16-g(32|64|128)", s)
     if m:
         return QuantizationConfig.w_4_a_16(), ModuleScheme("int4", int(m.group(1)), False)
-    if s == "kv8":
-        raise ValueError("kv8 is a KV-cache scheme, not a weight scheme: quantize_model(..., 'kv8') or "
-                         "'<weight scheme>+kv8' (split_scheme)")
-    raise ValueError(f"--scheme must be {_BUILT} (wf8af8: not built yet), got {scheme!r}")
+    if s in _KV_SCHEMES:
+        raise ValueError(f"{s} is a KV-cache scheme, not a weight scheme: quantize_model(..., {s!r}) or "
+                         f"'<weight scheme>+{s}' (split_scheme)")
+    raise ValueError(f"--scheme must be {_BUILT}, got {scheme!r}")
 
 
 def _linear_modules(config) -> list[str]:
@@ -140,29 +145,37 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
                    calib_data: str | os.PathLike | None = None, num_samples: int = 128, seq_len: int = 512,
                    seed: int = 0, cache_dir: str | os.PathLike | None = None, progress: bool = True,
                    gptq: "GPTQConfig | None" = None, observer: str = "minmax", smoothquant_alpha: float = 0.5,
-                   kv_calib_tokens: int | None = None) -> Path:
+                   kv_calib_tokens: int | None = None, kv_observer: str = "minmax",
+                   kv_percentile: float | None = None) -> Path:
     """Quantize ``model`` (id, HF directory or .gguf) into the directory ``out``; returns it
     (``gptq``: GPTQ's damping / block size / act order / observer / refit, defaults 0.01 / 128 / off / minmax /
     off; ``observer``: the weight observer of RTN, :mod:`fxcompiler.weight_observer`; ``smoothquant_alpha``: the
-    migration strength of ``algorithm="smoothquant"``, in (0, 1]; ``kv_calib_tokens``: tokens the KV8 scales are
-    calibrated on, default :data:`~fxcompiler.kv_cache_quant.DEFAULT_CALIBRATION_TOKENS`)."""
+    migration strength of ``algorithm="smoothquant"``, in (0, 1]; ``kv_calib_tokens``: tokens the KV8 / KVf8 scales
+    are calibrated on, default :data:`~fxcompiler.kv_cache_quant.DEFAULT_CALIBRATION_TOKENS`; ``kv_observer``:
+    ``minmax`` (absmax) or ``percentile`` (``kv_percentile``, default
+    :data:`~fxcompiler.kv_cache_quant.DEFAULT_PERCENTILE`, of |x| per layer and KV head))."""
     from .calibration import text_digest
-    from .kv_cache_quant import DEFAULT_CALIBRATION_TOKENS
+    from .kv_cache_quant import DEFAULT_CALIBRATION_TOKENS, check_kv_observer
     from .models.loader import load_config, model_directory
     from .models.sources import resolve_model_source
 
-    weight_scheme, kv8 = split_scheme(scheme)
+    weight_scheme, kv_dtype = split_scheme(scheme)
+    kv_name = {"int8": "kv8", "fp8": "kvf8", None: "kv8 / kvf8"}[kv_dtype]
     if kv_calib_tokens is None:
         kv_calib_tokens = DEFAULT_CALIBRATION_TOKENS
     if isinstance(kv_calib_tokens, bool) or not isinstance(kv_calib_tokens, int) or kv_calib_tokens <= 0:
         raise ValueError(f"--kv-calib-tokens must be a positive int, got {kv_calib_tokens!r}")
-    if not kv8 and kv_calib_tokens != DEFAULT_CALIBRATION_TOKENS:
-        raise ValueError(f"--kv-calib-tokens applies to the kv8 scheme, got --scheme {scheme}")
+    if kv_dtype is None and kv_calib_tokens != DEFAULT_CALIBRATION_TOKENS:
+        raise ValueError(f"--kv-calib-tokens applies to the kv8 / kvf8 schemes, got --scheme {scheme}")
+    kv_observer, kv_percentile = check_kv_observer(kv_observer, kv_percentile)
+    if kv_dtype is None and (kv_observer != "minmax" or kv_percentile is not None):
+        raise ValueError(f"--kv-observer / --kv-percentile apply to the kv8 / kvf8 schemes, got --scheme {scheme}")
+    kv_calib = (kv_calib_tokens, kv_observer, kv_percentile)
     if weight_scheme is None:
         if algorithm != "rtn":
-            raise ValueError(f"--algorithm {algorithm} quantizes weights; --scheme kv8 quantizes only the KV cache "
-                             "(use e.g. --scheme w8a16+kv8)")
-        return _quantize_kv_only(model, Path(out), calib_data, kv_calib_tokens, cache_dir)
+            raise ValueError(f"--algorithm {algorithm} quantizes weights; --scheme {kv_name} quantizes only the KV "
+                             f"cache (use e.g. --scheme w8a16+{kv_name})")
+        return _quantize_kv_only(model, Path(out), calib_data, kv_dtype, kv_calib, cache_dir)
     config_q, module_scheme = parse_scheme(weight_scheme)
     if algorithm not in ("rtn", "gptq", "smoothquant"):
         raise ValueError(f"--algorithm must be rtn, gptq or smoothquant, got {algorithm!r}")
@@ -242,8 +255,8 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
                                          else "rtn"): algo_record,
                   "qformat_sha256": qparam_digest(stage / QFORMAT_FILE),
                   "qparam_sha256": qparam_digest(stage / QPARAM_FILE)}
-        if kv8:
-            recipe["kv_cache"] = _write_kv_scales(stage, calib_text, calib_source, kv_calib_tokens, cache_dir)
+        if kv_dtype is not None:
+            recipe["kv_cache"] = _write_kv_scales(stage, calib_text, calib_source, kv_dtype, kv_calib, cache_dir)
         (stage / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     return out
 
@@ -280,8 +293,8 @@ def _calibration(calib_data) -> tuple[str, str]:
     return calibration_text(), "pydoc_data.topics (even-indexed topics by name)"
 
 
-def _quantize_kv_only(model: str, out: Path, calib_data, num_tokens: int, cache_dir) -> Path:
-    """``--scheme kv8``: OUT = the model's files + ``kv_cache_scales.json`` + the recipe."""
+def _quantize_kv_only(model: str, out: Path, calib_data, kv_dtype: str, kv_calib: tuple, cache_dir) -> Path:
+    """``--scheme kv8`` / ``kvf8``: OUT = the model's files + ``kv_cache_scales.json`` + the recipe."""
     from .models.loader import model_directory
     from .models.sources import resolve_model_source
 
@@ -293,30 +306,36 @@ def _quantize_kv_only(model: str, out: Path, calib_data, num_tokens: int, cache_
         for f in model_dir.iterdir():
             if f.is_file() and f.name not in (RECIPE_FILE,):
                 shutil.copy2(f, stage / f.name)
-        recipe = {"scheme": "kv8", "config": "KV8", "source_model": source.model_id,
-                  "kv_cache": _write_kv_scales(stage, calib_text, calib_source, num_tokens, cache_dir)}
+        name, config_name = {"int8": ("kv8", "KV8"), "fp8": ("kvf8", "KVf8")}[kv_dtype]
+        recipe = {"scheme": name, "config": config_name, "source_model": source.model_id,
+                  "kv_cache": _write_kv_scales(stage, calib_text, calib_source, kv_dtype, kv_calib, cache_dir)}
         (stage / RECIPE_FILE).write_text(json.dumps(recipe, indent=1) + "\n")
     return out
 
 
-def _write_kv_scales(out: Path, text: str, source: str, num_tokens: int, cache_dir) -> dict:
-    """Calibrate KV8 scales on the model in ``out`` (float cache) and write ``kv_cache_scales.json``; the recipe record."""
+def _write_kv_scales(out: Path, text: str, source: str, kv_dtype: str, kv_calib: tuple, cache_dir) -> dict:
+    """Calibrate KV8 / KVf8 scales (``kv_calib``: tokens, observer, percentile) on the model in ``out`` (float
+    cache) and write ``kv_cache_scales.json``; the recipe record."""
     from .calibration import text_digest
-    from .kv_cache_quant import DEFAULT_MARGIN, KV_SCALES_FILE, quantize_kv_cache, save_kv_scales
+    from .kv_cache_quant import DEFAULT_MARGIN, KV_QMAX, KV_SCALES_FILE, quantize_kv_cache, save_kv_scales
     from .llm import LLM
     from .models.loader import load_config
     from .config import ManualBucketConfig
 
+    num_tokens, observer, percentile = kv_calib
     config = load_config(out, {}, False)
     window = min(512, int(getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", 512)))
     # one prefill bucket of the calibration window: the build is for calibration only
     with LLM(str(out), kv_cache_dtype="auto", cache_dir=cache_dir, max_seq_len_to_capture=window,
              bucket_config=ManualBucketConfig(prefill_buckets=[(1, window)], decode_buckets=[(1, window)])) as llm:
-        k, v = quantize_kv_cache(llm, text, num_tokens=num_tokens)
-    record = {"dtype": "int8", "file": KV_SCALES_FILE, "granularity": "per layer, per KV head (static)",
-              "margin": DEFAULT_MARGIN, "calibration": {"source": source, "sha256": text_digest(text),
-                                                        "num_tokens": num_tokens, "max_seq_len": window}}
-    save_kv_scales(out, k, v, {"recipe": record})
+        k, v = quantize_kv_cache(llm, text, num_tokens=num_tokens, kv_dtype=kv_dtype, observer=observer,
+                                 percentile=percentile)
+    record = {"dtype": kv_dtype, "file": KV_SCALES_FILE, "granularity": "per layer, per KV head (static)",
+              "observer": observer, **({"percentile": percentile} if observer == "percentile" else {}),
+              "margin": DEFAULT_MARGIN, "qmax": KV_QMAX[kv_dtype],
+              "calibration": {"source": source, "sha256": text_digest(text), "num_tokens": num_tokens,
+                              "max_seq_len": window}}
+    save_kv_scales(out, k, v, {"recipe": record}, kv_dtype=kv_dtype)
     return record
 
 
