@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from . import graph_io
-from .compile_cache import load_tensors, save_tensors, write_entry
+from .compile_cache import gc_paused, load_tensors, save_tensors, write_entry
 from .integrity import StampStore, stamp_store, verify_checksums, write_checksums
 from .pipeline import Bucket, DataBlob, Pipeline, pipelines_from_compact, pipelines_to_compact
 
@@ -73,7 +73,8 @@ class BuildCache:
         if not entry.is_dir():
             return None
         try:
-            return _read(entry, stamp_store(self.cache_dir))
+            with gc_paused():
+                return _read(entry, stamp_store(self.cache_dir))
         except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
             log.warning("build cache entry %s is unreadable (%s); rebuilding it", entry, exc)
             shutil.rmtree(entry, ignore_errors=True)

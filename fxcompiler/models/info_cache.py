@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .loader import LoadedModel, check_decoder_only, load_config, load_tokenizer, model_directory
-from .light_tokenizer import SPECIAL_ATTRIBUTES, LightTokenizer
+from .light_tokenizer import SPECIAL_ATTRIBUTES, Deferred, LightTokenizer, backend_from_str
 from .sources import ModelSource
 
 log = logging.getLogger("fxcompiler.models")
@@ -327,11 +327,9 @@ def read_entry(entry: Path, model_dir: Path, model_id: str, cache_dir: Any) -> t
         tok = None
         if snap["tokenizer"] == "transformers":  # no tokenizers backend, or it disagreed on the probes
             tok = load_tokenizer(model_dir)
-        elif snap["tokenizer"] is not None:
-            from tokenizers import Tokenizer
-
+        elif snap["tokenizer"] is not None:  # the backend builds in the background (~0.1 s for 49k tokens)
             meta = {k: _decode_value(v) for k, v in snap["tokenizer"].items()}
-            tok = LightTokenizer(Tokenizer.from_str((entry / "tokenizer.json").read_text()), meta, load_tok)
+            tok = LightTokenizer(Deferred(backend_from_str, (entry / "tokenizer.json").read_text()), meta, load_tok)
     except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
         log.warning("model-info cache entry %s is unreadable (%s); rebuilding it", entry, exc)
         shutil.rmtree(entry, ignore_errors=True)
@@ -359,9 +357,7 @@ def store_entry(entry: Path, loaded: LoadedModel, tok: Any) -> None:
         tok_record = "transformers"
         if snap is not None:
             meta, backend_json = snap
-            from tokenizers import Tokenizer
-
-            light = LightTokenizer(Tokenizer.from_str(backend_json), {k: _decode_value(v) for k, v in meta.items()},
+            light = LightTokenizer(backend_from_str(backend_json), {k: _decode_value(v) for k, v in meta.items()},
                                    lambda: tok)
             diffs = _quietly(probe_differences, tok, light)
             if diffs:

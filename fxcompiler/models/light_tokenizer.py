@@ -28,7 +28,7 @@ SPECIAL_ATTRIBUTES = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_t
                       "cls_token_id", "mask_token_id", "all_special_tokens", "all_special_ids",
                       "special_tokens_map", "chat_template", "model_max_length", "padding_side",
                       "truncation_side", "name_or_path", "clean_up_tokenization_spaces")
-_OWN = frozenset({"_backend", "_meta", "_load_hf", "_hf", "_lock"})
+_OWN = frozenset({"_backend_or_future", "_meta", "_load_hf", "_hf", "_lock", "_hf_lock"})
 
 
 class Encoding(dict):
@@ -39,6 +39,39 @@ class Encoding(dict):
             return self[name]
         except KeyError:
             raise AttributeError(name) from None
+
+
+class Deferred:
+    """``f(*args)`` computed in a daemon thread; :meth:`result` waits for it (and re-raises its error)."""
+
+    def __init__(self, f: Callable[..., Any], *args: Any):
+        self._value: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(f, args), name="fxc-deferred", daemon=True)
+        self._thread.start()
+
+    def _run(self, f: Callable[..., Any], args: tuple) -> None:
+        try:
+            self._value = f(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller of result()
+            self._error = exc
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def backend_from_str(text: str) -> Any:
+    """The ``tokenizers.Tokenizer`` of a tokenizer.json text, truncation and padding off (transformers resets
+    both before every plain encode)."""
+    from tokenizers import Tokenizer
+
+    backend = Tokenizer.from_str(text)
+    backend.no_truncation()
+    backend.no_padding()
+    return backend
 
 
 def clean_up_tokenization(text: str) -> str:
@@ -52,20 +85,36 @@ class LightTokenizer:
     """A transformers fast tokenizer's behaviour over its ``tokenizers`` backend (see the module doc)."""
 
     def __init__(self, backend: Any, meta: dict[str, Any], load_hf: Callable[[], Any]):
-        backend.no_truncation()  # transformers resets both before every plain encode
-        backend.no_padding()
-        self._backend = backend
+        """``backend``: a ``tokenizers.Tokenizer``, or a future of one (:class:`Deferred`: built in the
+        background while the caller loads the rest of the model)."""
+        self._backend_or_future = backend
         self._meta = meta
         self._load_hf = load_hf
         self._hf = None
         self._lock = threading.Lock()
+        self._hf_lock = threading.Lock()
+
+    @property
+    def _backend(self) -> Any:
+        backend = self._backend_or_future
+        if isinstance(backend, Deferred):
+            with self._lock:
+                backend = self._backend_or_future
+                if isinstance(backend, Deferred):
+                    try:
+                        backend = backend.result()
+                    except Exception as exc:  # noqa: BLE001 - transformers' own backend answers the same
+                        log.warning("the cached tokenizer did not load (%s); using transformers' tokenizer", exc)
+                        backend = self.hf_tokenizer.backend_tokenizer
+                    self._backend_or_future = backend
+        return backend
 
     # -- the transformers tokenizer, for everything not served here ---------------------------------
     @property
     def hf_tokenizer(self) -> Any:
         """The transformers tokenizer of the same model (loaded on first use; never None)."""
         if self._hf is None:
-            with self._lock:
+            with self._hf_lock:
                 if self._hf is None:
                     log.info("loading the transformers tokenizer (a call the tokenizers backend does not serve)")
                     self._hf = self._load_hf()

@@ -314,3 +314,17 @@ def test_generation_equals_with_either_tokenizer(smol_dir, tmp_path):
         assert any(c[2] for run in results[1][0] for c in run)  # text was generated
     finally:
         llm.shutdown()
+
+
+def test_a_backend_that_fails_to_build_falls_back_to_transformers(both, caplog):
+    from fxcompiler.models.light_tokenizer import Deferred
+
+    _, (_, light), hf, _ = both
+
+    def broken():
+        raise ValueError("bad tokenizer.json")
+
+    tok = LightTokenizer(Deferred(broken), light.__dict__["_meta"], lambda: hf)
+    with caplog.at_level("WARNING", logger="fxcompiler.models"):
+        assert tok("héllo")["input_ids"] == hf("héllo")["input_ids"]
+    assert any("did not load" in r.getMessage() for r in caplog.records)
