@@ -8,13 +8,14 @@ torchrun's world size must be dp × pp × tp (``--dp 2 --tp 2``: 4 ranks, two re
 Every rank builds its shard inside ``LLM(...)``; ranks other than 0 serve steps there and exit
 when rank 0's LLM shuts down, so only rank 0 runs the code after it. ``--requests`` is a JSON
 ``{"prompt_token_ids": [[...], ...], "max_tokens": [...], "llm": {extra LLM kwargs}}``; greedy
-tokens go to ``--out`` (rank 0).
+tokens go to ``--out`` (rank 0) after every round, with the round's wall time and tokens/s.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import time
 
 
 def main() -> None:
@@ -43,11 +44,14 @@ def main() -> None:
         params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in req["max_tokens"]]
         print("generating", flush=True)
         for _ in range(args.repeat):
+            t0 = time.perf_counter()
             outs = llm.generate(None, params, prompt_token_ids=req["prompt_token_ids"])
+            seconds = time.perf_counter() - t0
             routed = getattr(llm.engine, "routed", None)  # data parallel: requests each replica received
             with open(args.out + ".tmp", "w") as f:  # after every round, whole (a reader never sees half)
                 json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "comm": llm.build_info["comm"],
-                           "plan": llm.parallel_plan.to_dict(), "routed": routed}, f)
+                           "plan": llm.parallel_plan.to_dict(), "routed": routed, "seconds": seconds,
+                           "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds}, f)
             os.replace(args.out + ".tmp", args.out)
 
 
