@@ -18,7 +18,8 @@ idle job never hits a collective timeout and a dead rank is noticed while the ot
 Rank 0's ``LLM`` holds one engine per replica behind the router (``runtime/router.py``); a step
 of replica ``d`` is a pickled message under ``r{d}/s{n}`` that the replica's ranks wait for,
 and the replica's logits rank (TP rank 0 of its last stage) answers under ``r{d}/l{n}`` unless
-that is rank 0 itself. On every other rank ``LLM(...)`` serves steps and ends the process
+that is rank 0 itself. The router steps the replicas at once (a thread each, a store client
+each), since a replica's step only waits on its own ranks. On every other rank ``LLM(...)`` serves steps and ends the process
 (``SystemExit(0)``) when rank 0's ``LLM`` shuts down, so only rank 0 runs the code after it.
 
 Faults: every rank bumps a heartbeat counter ``hb/{rank}`` every ``HEARTBEAT_S``. Rank 0
