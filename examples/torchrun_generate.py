@@ -49,8 +49,8 @@ def main() -> None:
             seconds = time.perf_counter() - t0
             routed = getattr(llm.engine, "routed", None)  # data parallel: requests each replica received
             with open(args.out + ".tmp", "w") as f:  # after every round, whole (a reader never sees half)
-                json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "comm": llm.build_info["comm"],
-                           "plan": llm.parallel_plan.to_dict(), "routed": routed, "seconds": seconds,
+                json.dump({"tokens": [o.outputs[0].token_ids for o in outs], "comm": llm.build_info.get("comm"),
+                           "plan": llm.parallel_plan and llm.parallel_plan.to_dict(), "routed": routed, "seconds": seconds,
                            "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / seconds}, f)
             os.replace(args.out + ".tmp", args.out)
 
