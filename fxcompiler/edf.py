@@ -4,8 +4,8 @@
 ones: each unique fx blob (identical transformer blocks share one) is
 
 1. prepared for export: the ``fxc::*`` ops that have fast kernels on the target device
-   (:func:`extern_ops`; on CPU ``linear``, ``linear_w8``, ``linear_f8`` and ``paged_attention``, the C++
-   kernels of ``backends/cpu``) stay calls into the op; every other ``fxc`` node (on CPU the
+   (:func:`extern_ops`; on CPU the linears (``linear``, ``linear_w8``, ``linear_f8``, ``linear_f8f8`` ...)
+   and ``paged_attention``, the C++ kernels of ``backends/cpu``) stay calls into the op; every other ``fxc`` node (on CPU the
    fused elementwise ``rms_norm``, ``silu_mul``, ``rope``, which Inductor fuses with their
    neighbours at least as well; on CUDA all of them) calls its ATen reference from
    ``fxcompiler/ops`` instead, so Inductor generates code for it;
@@ -95,9 +95,10 @@ class EdfPackage:
 # re-measured). CUDA has no fxc kernels: everything is ATen there.
 # fxc::linear_f8 (fp8 weights, upcast in the kernel) is kept on CPU like linear_w8: its reference would upcast
 # and scale the whole weight on every call.
-# fxc::linear_w8a8 likewise (its reference unpacks the weight and runs an integer matmul on every call).
-EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_by_m",
-                                                  "paged_attention")}
+# fxc::linear_w8a8 likewise (its reference unpacks the weight and runs an integer matmul on every call), and
+# fxc::linear_f8f8 (one C++ kernel: the per-token e4m3 rows and linear_f8's matmul).
+EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_f8f8",
+                                                  "linear_by_m", "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).
 # ``cpp.threads=1``: Inductor's own loops (the elementwise/reduction code around the extern

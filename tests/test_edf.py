@@ -98,7 +98,8 @@ def test_edf_packages_call_the_fxc_kernels(built):
     from fxcompiler.edf import EXTERN_OPS, extern_kernel_calls
 
     llm, edf_pipes, _, _ = built
-    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_by_m", "paged_attention"}
+    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_f8f8", "linear_by_m",
+                                      "paged_attention"}
     p, e = next((p, e) for p, e in zip(llm.pipelines, edf_pipes) if not p.bucket.is_prefill)
     keys = [k for k, t in p.supertasks.items() if t.data_blob is not None]
     block_calls = None
@@ -144,7 +145,7 @@ def test_edf_extern_ops_policy_and_package_key():
     from fxcompiler import edf
     from fxcompiler.ops.linear import pack_linear_weight
 
-    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_by_m",
+    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_f8f8", "linear_by_m",
                                      "paged_attention")
     assert edf.extern_ops("cuda") == ()
 

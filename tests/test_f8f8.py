@@ -52,6 +52,46 @@ def test_linear_f8f8_equals_the_fp8_gemm(seed, M, K, N, amp, bias, bf16, zero_ro
                                linear_f8f8_reference(x, packed, scales, b, N), rtol=2e-5, atol=1e-5 * amp)
 
 
+def _bits(t):
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**16), M=st.integers(1, 80), K=st.integers(0, 100), N=st.integers(1, 70),
+       amp=st.floats(1e-6, 1e4), bias=st.booleans(), bf16=st.booleans(), special=st.sampled_from(
+           ["none", "zero_row", "nan", "inf", "tiny"]), batched=st.booleans())
+def test_linear_f8f8_kernel_is_bit_identical_to_the_aten_composite(seed, M, K, N, amp, bias, bf16, special, batched):
+    """The C++ kernel (per-token e4m3 rows quantized in C++, then linear_f8's matmul with the row scales in its
+    epilogue) gives exactly the bits of the ATen composite (quantize_rows_e4m3 around fxc::linear_f8): zero
+    rows, NaN / inf inputs (NaN where the composite has NaN), subnormal-range rows, bf16, decode (M <= 4) and tile (M > 4) paths, K = 0."""
+    from backends.cpu import quant
+    from fxcompiler.ops.f8_linear import linear_f8f8_composite
+
+    if not quant.ensure_loaded():
+        pytest.skip("no C++ kernels on this machine: the composite is what runs")
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("fxc::linear_f8f8", "CPU")
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * amp
+    if K and special == "zero_row":
+        x[0] = 0
+    elif K and special == "nan":
+        x[M // 2, K // 2] = float("nan")
+    elif K and special == "inf":
+        x[0, 0] = float("inf")
+    elif special == "tiny":
+        x = x * 1e-38  # rows whose scale is subnormal-range: the division's exact rounding matters
+    x = x.to(torch.bfloat16 if bf16 else torch.float32)
+    if batched and M % 2 == 0:
+        x = x.view(2, M // 2, K)
+    packed, scales = quantize_linear_weight_fp8(torch.randn(N, K, generator=g) * 0.1)
+    b = torch.randn(N, generator=g) if bias else None
+    got = torch.ops.fxc.linear_f8f8(x, packed, scales, b, N)
+    want = linear_f8f8_composite(x, packed, scales, b, N)
+    assert got.dtype == want.dtype and got.shape == want.shape == (*x.shape[:-1], N)
+    nan = want.isnan()  # NaN outputs: NaN in both (their sign/payload bits are the hardware's, not compared)
+    assert torch.equal(got.isnan(), nan) and torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+
+
 def test_linear_f8f8_shapes_and_errors():
     packed, scales = quantize_linear_weight_fp8(torch.randn(5, 8))
     x = torch.randn(2, 3, 8)

@@ -22,6 +22,7 @@ import ctypes
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import threading
@@ -295,7 +296,8 @@ def load_op_library(prefix: str, source, extra_flags=()) -> str:
     if isa == "aten":
         raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")
     flags = _COMMON_FLAGS + _FLAGS[isa] + list(extra_flags)
-    name = f"{prefix}_{isa}_{source_digest([source], flags)}"
+    local = re.findall(r'^#include "([^"]+)"', Path(source).read_text(), flags=re.M)  # its own headers: in the key
+    name = f"{prefix}_{isa}_{source_digest([source, *(Path(source).parent / h for h in local)], flags)}"
     load_extension(name, [source], flags, extra_ldflags=["-fopenmp"], is_python_module=False)
     return isa
 

@@ -11,16 +11,17 @@ as vLLM's ``scaled_fp8_quant`` does for fp8 activations:
 CPUs have no fp8 arithmetic: the e4m3 values are upcast to fp32 (exactly) and multiplied there. A product of
 two e4m3 values has at most 8 significant bits, so every product is exact in fp32 and the only rounding is
 the fp32 accumulation: what an fp8 GEMM with fp32 accumulation and a per-token x per-channel scale epilogue
-computes, up to summation order. The matmul is ``fxc::linear_f8`` (its C++ kernel upcasts the weight bytes in
-registers, with the weight scale applied once per output); the row quantization runs as ATen ops around it
-(a few elementwise passes over the ``[M, K]`` input per call, and a call through Python on the CPU: the cost is
-documented in docs/quantization.md).
+computes, up to summation order. On CPU the op is one C++ kernel (``backends/cpu/csrc/quant_kernels.cpp``,
+loaded with ``fxc::linear_f8``'s): it quantizes the rows exactly as :func:`quantize_rows_e4m3` does (same
+bits) and runs ``fxc::linear_f8``'s matmul on them with the row scales in its epilogue, so its output equals
+:func:`linear_f8f8_composite` (the row quantization in ATen around ``fxc::linear_f8``) bit for bit. Without
+the kernel library the composite runs.
 """
 from __future__ import annotations
 
 import torch
 
-from .quant_linear import FP8, FP8_MAX, _lib, linear_f8_reference
+from .quant_linear import FP8, FP8_MAX, _composite_of, _lib, linear_f8_reference
 
 __all__ = ["linear_f8f8", "linear_f8f8_reference", "quantize_rows_e4m3"]
 
@@ -54,7 +55,8 @@ def linear_f8f8_reference(x, w_f8_packed, scales, bias, n):
 
 
 def linear_f8f8_composite(x, w_f8_packed, scales, bias, n):
-    """What runs: the row quantization in ATen and the matmul through ``fxc::linear_f8`` (its C++ kernel on CPU)."""
+    """The row quantization in ATen and the matmul through ``fxc::linear_f8`` (its C++ kernel on CPU): what runs
+    without the C++ ``linear_f8f8`` kernel (which equals it bit for bit), and what ``edf`` inlines off CPU."""
     return _linear_f8f8(x, w_f8_packed, scales, bias, n, torch.ops.fxc.linear_f8.default)
 
 
@@ -67,5 +69,7 @@ def _linear_f8f8_fake(x, w_f8_packed, scales, bias, n):
     return x.new_empty(tuple(x.shape[:-1]) + (n,))
 
 
-_lib.impl("linear_f8f8", linear_f8f8_composite, "CompositeExplicitAutograd")
+# the C++ kernel once the quantized-kernel library loads (backends/cpu/quant.py), else the composite
+_lib.impl("linear_f8f8", _composite_of(torch.ops.fxc.linear_f8f8.default, linear_f8f8_composite),
+          "CompositeExplicitAutograd")
 linear_f8f8 = torch.ops.fxc.linear_f8f8.default

@@ -1,7 +1,8 @@
-// fxcompiler CPU quantized-weight kernels (issue 17): fxc::linear_w4, fxc::linear_f8.
+// fxcompiler CPU quantized-weight kernels (issue 17): fxc::linear_w4, fxc::linear_f8, fxc::linear_f8f8.
 //
 //   fxc::linear_w4(x, w_int4_packed, scales, mins, bias?, n, group_size)
 //   fxc::linear_f8(x, w_f8_packed, scales, bias?, n)
+//   fxc::linear_f8f8(x, w_f8_packed, scales, bias?, n): linear_f8 on x's rows quantized per token to e4m3
 //
 // Schema, fake kernel and ATen reference: fxcompiler/ops/quant_linear.py. Layout (NB = 32 columns
 // per panel, P = ceil(N/32), G = ceil(K/group_size)):
@@ -38,7 +39,10 @@
 
 #include <immintrin.h>
 
+#include "kv_fp8.h"  // fxc::e4m3_encode: c10's e4m3 encoder after the +-448 clamp (linear_f8f8's rows)
+
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -487,46 +491,11 @@ inline void micro_f8(const float* x, int64_t ldx, const uint8_t* w, int64_t K, f
 #endif
 }
 
-at::Tensor linear_f8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fxc::linear_f8: CPU tensors expected");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "fxc::linear_f8: x must be float32 or bfloat16, got ", x.scalar_type());
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && w.dim() == 3 && w.size(1) == K && w.size(2) == NB &&
-                  w.is_contiguous(),
-              "fxc::linear_f8: packed weight must be contiguous float8_e4m3fn [P, K, 32] with K=", K, ", got ",
-              w.scalar_type(), " ", w.sizes());
-  const int64_t P = w.size(0);
-  TORCH_CHECK(n >= 0 && n <= P * NB, "fxc::linear_f8: n=", n, " larger than the packed panels");
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
-                  scales.size(0) == P * NB,
-              "fxc::linear_f8: scales must be contiguous float32 [P*32] = [", P * NB, "], got ", scales.sizes());
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options());
-  const int64_t M = K ? x.numel() / K : 0;
-  if (out.numel() == 0) return out;
-  if (K == 0) {  // an empty sum: the bias (or zeros)
-    out.zero_();
-    if (bias.has_value() && bias->defined()) out.add_(bias->to(x.scalar_type()));
-    return out;
-  }
-  at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  std::vector<float> bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "fxc::linear_f8: bias must be [n]");
-    at::Tensor b = bias->to(at::kFloat).contiguous();
-    bf.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
-  }
-  std::vector<float> sc(static_cast<size_t>(P) * NB);
-  const float* sp = scales.data_ptr<float>();
-  for (int64_t i = 0; i < P * NB; ++i) sc[i] = sp[i] * kF8Fold;
-  const float* xp = xf.data_ptr<float>();
-  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
-  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
-  float* of = out_bf16 ? nullptr : out.data_ptr<float>();
-  c10::BFloat16* ob = out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
+// The fp8-weight matmul over float rows xp [M, K]: out[r, j] = acc * s[j] (+ bias[j]) (linear_f8), or with
+// row scales (linear_f8f8) fl(fl(acc * s[j] + 0) * rs[r]) (+ bias[j]): the values of linear_f8's output
+// times the row scale, then the bias, as the ATen composite computes them.
+void f8_matmul(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t P, int64_t n, const float* sc,
+               const std::vector<float>& bf, const float* rs, float* of, c10::BFloat16* ob) {
   const bool direct = M <= 4;  // decode: stream the fp8 panel once, no tile
   const int64_t n_mb = direct ? 1 : (M + MB - 1) / MB;
   const int64_t tasks = n_mb * P;
@@ -561,14 +530,121 @@ at::Tensor linear_f8(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
         for (int r = 0; r < rows; ++r) {
           const int64_t base = (r0 + r) * n + p * NB;
           for (int64_t j = 0; j < cols; ++j) {
-            float v = acc[r * NB + j] * sc[p * NB + j] + (bf.empty() ? 0.f : bf[p * NB + j]);
-            if (out_bf16) ob[base + j] = c10::BFloat16(v);
+            float v;
+            if (rs != nullptr) {
+              v = (acc[r * NB + j] * sc[p * NB + j] + 0.f) * rs[r0 + r];
+              if (!bf.empty()) v = v + bf[p * NB + j];
+            } else {
+              v = acc[r * NB + j] * sc[p * NB + j] + (bf.empty() ? 0.f : bf[p * NB + j]);
+            }
+            if (ob != nullptr) ob[base + j] = c10::BFloat16(v);
             else of[base + j] = v;
           }
         }
       }
     }
   });
+}
+
+// The per-token e4m3 rows of fxc::linear_f8f8 (fxcompiler/ops/f8_linear.py quantize_rows_e4m3, bit for bit):
+// amax_r = max_k |x[r, k]| (NaN if any is NaN), rs[r] = amax_r / 448 when amax_r > 0 else 1, and
+// q[r, k] = float(e4m3(clamp(x[r, k] / rs[r], +-448))) (an IEEE fp32 division, c10's RNE encoder).
+void quantize_rows_e4m3(const float* x, int64_t M, int64_t K, float* q, float* rs) {
+  at::parallel_for(0, M, std::max<int64_t>(1, 16384 / std::max<int64_t>(K, 1)), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* xr = x + r * K;
+      float amax = 0.f;
+      bool nan = false;
+      for (int64_t k = 0; k < K; ++k) {
+        const float a = std::fabs(xr[k]);
+        if (a != a) nan = true;
+        else if (a > amax) amax = a;
+      }
+      const float s = (!nan && amax > 0.f) ? amax / fxc::kE4M3Max : 1.f;
+      rs[r] = s;
+      float* qr = q + r * K;
+      for (int64_t k = 0; k < K; ++k) qr[k] = static_cast<float>(fxc::e4m3_encode(xr[k] / s));
+    }
+  });
+}
+
+struct F8Args {
+  int64_t K, P, M;
+  std::vector<float> bf, sc;
+};
+
+F8Args check_f8(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
+  F8Args a;
+  a.K = x.size(-1);
+  TORCH_CHECK(w.scalar_type() == at::kFloat8_e4m3fn && w.dim() == 3 && w.size(1) == a.K && w.size(2) == NB &&
+                  w.is_contiguous(),
+              op, ": packed weight must be contiguous float8_e4m3fn [P, K, 32] with K=", a.K, ", got ",
+              w.scalar_type(), " ", w.sizes());
+  a.P = w.size(0);
+  TORCH_CHECK(n >= 0 && n <= a.P * NB, op, ": n=", n, " larger than the packed panels");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 1 &&
+                  scales.size(0) == a.P * NB,
+              op, ": scales must be contiguous float32 [P*32] = [", a.P * NB, "], got ", scales.sizes());
+  a.M = a.K ? x.numel() / a.K : 0;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [n]");
+    at::Tensor b = bias->to(at::kFloat).contiguous();
+    a.bf.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
+  }
+  a.sc.resize(static_cast<size_t>(a.P) * NB);
+  const float* sp = scales.data_ptr<float>();
+  for (int64_t i = 0; i < a.P * NB; ++i) a.sc[i] = sp[i] * kF8Fold;
+  return a;
+}
+
+at::Tensor f8_out(const at::Tensor& x, int64_t n) {
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  return at::empty(out_shape, x.options());
+}
+
+at::Tensor linear_f8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias, int64_t n) {
+  F8Args a = check_f8("fxc::linear_f8", x, w, scales, bias, n);
+  at::Tensor out = f8_out(x, n);
+  if (out.numel() == 0) return out;
+  if (a.K == 0) {  // an empty sum: the bias (or zeros)
+    out.zero_();
+    if (bias.has_value() && bias->defined()) out.add_(bias->to(x.scalar_type()));
+    return out;
+  }
+  at::Tensor xf = x.reshape({a.M, a.K}).to(at::kFloat).contiguous();
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  f8_matmul(xf.data_ptr<float>(), a.M, a.K, static_cast<const uint8_t*>(w.data_ptr()), a.P, n, a.sc.data(), a.bf,
+            nullptr, out_bf16 ? nullptr : out.data_ptr<float>(), out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr);
+  return out;
+}
+
+// fxc::linear_f8f8: the rows of x quantized per token to e4m3 (quantize_rows_e4m3) in the kernel, then
+// linear_f8's matmul on their exact fp32 values and the row scales in the epilogue.
+at::Tensor linear_f8f8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& bias, int64_t n) {
+  TORCH_CHECK_VALUE(w.dim() == 3 && w.size(1) == x.size(-1), "fxc::linear_f8f8: K mismatch: x has K=", x.size(-1),
+                    ", the packed weight is ", w.sizes(), " ([P, K, 32])");
+  F8Args a = check_f8("fxc::linear_f8f8", x, w, scales, bias, n);
+  at::Tensor out = f8_out(x, n);
+  if (out.numel() == 0) return out;
+  if (a.K == 0) {  // an empty sum: the bias (or zeros)
+    out.zero_();
+    if (bias.has_value() && bias->defined()) out.add_(bias->to(at::kFloat).to(x.scalar_type()));
+    return out;
+  }
+  at::Tensor xf = x.reshape({a.M, a.K}).to(at::kFloat).contiguous();
+  at::Tensor q = at::empty({a.M, a.K}, xf.options());
+  std::vector<float> rs(static_cast<size_t>(a.M));
+  quantize_rows_e4m3(xf.data_ptr<float>(), a.M, a.K, q.data_ptr<float>(), rs.data());
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  f8_matmul(q.data_ptr<float>(), a.M, a.K, static_cast<const uint8_t*>(w.data_ptr()), a.P, n, a.sc.data(), a.bf,
+            rs.data(), out_bf16 ? nullptr : out.data_ptr<float>(), out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr);
   return out;
 }
 
@@ -588,4 +664,5 @@ extern "C" const char* fxc_quant_kernels_isa() {
 TORCH_LIBRARY_IMPL(fxc, CPU, m) {
   m.impl("linear_w4", &fxcq::linear_w4);
   m.impl("linear_f8", &fxcq::linear_f8);
+  m.impl("linear_f8f8", &fxcq::linear_f8f8);
 }

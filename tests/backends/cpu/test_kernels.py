@@ -397,6 +397,17 @@ _F8_PATHS_CODE = """
         wd = dequantize_linear_weight_fp8(q, s, n).double()
         y = linear_f8(x, q, s, b, n)
         torch.testing.assert_close(y.double(), x.double() @ wd.T + b.double(), rtol=1e-4, atol=1e-4)
+    # fxc::linear_f8f8's kernel (per-token e4m3 rows in C++) equals its ATen composite bit for bit
+    from fxcompiler.ops.f8_linear import linear_f8f8_composite
+    assert torch._C._dispatch_has_kernel_for_dispatch_key("fxc::linear_f8f8", "CPU")
+    for m, k, n in [(1, 77, 50), (3, 64, 70), (5, 130, 33), (70, 96, 40)]:
+        q, s = quantize_linear_weight_fp8(torch.randn(n, k))
+        for dt in (torch.float32, torch.bfloat16):
+            x, b = (torch.randn(m, k) * 5).to(dt), torch.randn(n)
+            x[0, :3] = 0
+            got, want = torch.ops.fxc.linear_f8f8(x, q, s, b, n), linear_f8f8_composite(x, q, s, b, n)
+            assert torch.equal(got.view(torch.int16 if dt == torch.bfloat16 else torch.int32),
+                               want.view(torch.int16 if dt == torch.bfloat16 else torch.int32)), (m, k, n, dt)
     print("OK", quant.isa())
 """
 
