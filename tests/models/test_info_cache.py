@@ -297,10 +297,9 @@ def test_generation_equals_with_either_tokenizer(smol_dir, tmp_path):
         assert isinstance(light, LightTokenizer)
         hf = load_tokenizer(smol_dir)
         chats = [CHAT[:2], [{"role": "user", "content": "List three colours, one per line."}]]
-        params = [SamplingParams(temperature=0, max_tokens=24),
-                  SamplingParams(temperature=0, max_tokens=24, skip_special_tokens=False, ignore_eos=True),
-                  SamplingParams(temperature=0, max_tokens=24, stop=["\n", "."], include_stop_str_in_output=True),
-                  SamplingParams(temperature=0, max_tokens=24, stop=[" the", ","])]
+        params = [SamplingParams(temperature=0, max_tokens=16, skip_special_tokens=False, ignore_eos=True),
+                  SamplingParams(temperature=0, max_tokens=16, stop=["\n", "."], include_stop_str_in_output=True),
+                  SamplingParams(temperature=0, max_tokens=16, stop=[" the", ","])]
         results = []
         for tok in (hf, light):
             llm.tokenizer = llm.engine.tokenizer = tok
@@ -309,7 +308,7 @@ def test_generation_equals_with_either_tokenizer(smol_dir, tmp_path):
                 outs = llm.chat(chats, p)
                 runs.append([(o.prompt, o.prompt_token_ids, c.text, c.token_ids, c.finish_reason, c.stop_reason)
                              for o in outs for c in o.outputs])
-            results.append((runs, asyncio.run(_deltas(llm, CHAT[1]["content"] + " 🤖", params[1]))))
+            results.append((runs, asyncio.run(_deltas(llm, CHAT[1]["content"] + " 🤖", params[0]))))
         assert results[0] == results[1]
         assert any(c[2] for run in results[1][0] for c in run)  # text was generated
     finally:
