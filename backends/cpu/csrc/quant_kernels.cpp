@@ -250,45 +250,63 @@ constexpr int w4_streams(int r) {
   return s >= 4 ? 4 : (s < 1 ? 1 : s);
 }
 
-// panels [p0, p1) of an M = R (<= 4) call: split into S contiguous sub-ranges walked in lock step, the
-// remainder one panel at a time; emit(p, acc) writes a panel's R x 32 results.
-template <int R, typename Sc, typename Emit>
-void direct_panels(int64_t p0, int64_t p1, const float* x, int64_t ldx, const float* xsum, int64_t G,
-                   const uint8_t* wp, const Sc* sp, const Sc* mp, int64_t K, int64_t gs, const Emit& emit) {
-  constexpr int S = w4_streams(R);
-  alignas(64) float acc[S][R * NB];
-  auto one = [&](int64_t p) {
-    const uint8_t* w1[1] = {wp + p * (K / 2) * NB};
-    const Sc* s1[1] = {sp + p * G * NB};
-    const Sc* m1[1] = {mp + p * G * NB};
-    float* a1[1] = {acc[0]};
-    direct_w4<R, 1>(x, ldx, xsum, G, w1, s1, m1, K, gs, a1);
-    emit(p, acc[0]);
-  };
-  const int64_t cnt = p1 - p0;
-  if (S == 1 || cnt < S) {
-    for (int64_t p = p0; p < p1; ++p) one(p);
-    return;
-  }
-  const int64_t base = cnt / S, rem = cnt % S;
-  int64_t start[S];
-  for (int s = 0; s < S; ++s) start[s] = p0 + s * base + std::min<int64_t>(s, rem);
+// panels [p0, p0 + SS * base) of an M = R call as SS contiguous sub-ranges of base panels walked in lock step;
+// emit(p, acc) writes a panel's R x 32 results.
+template <int R, int SS, typename Sc, typename Emit>
+void lockstep(int64_t p0, int64_t base, const float* x, int64_t ldx, const float* xsum, int64_t G,
+              const uint8_t* wp, const Sc* sp, const Sc* mp, int64_t K, int64_t gs, const Emit& emit) {
+  alignas(64) float acc[SS][R * NB];
   for (int64_t i = 0; i < base; ++i) {
-    const uint8_t* ws[S];
-    const Sc* ss[S];
-    const Sc* ms[S];
-    float* as[S];
-    for (int s = 0; s < S; ++s) {
-      const int64_t p = start[s] + i;
+    const uint8_t* ws[SS];
+    const Sc* ss[SS];
+    const Sc* ms[SS];
+    float* as[SS];
+    for (int s = 0; s < SS; ++s) {
+      const int64_t p = p0 + s * base + i;
       ws[s] = wp + p * (K / 2) * NB;
       ss[s] = sp + p * G * NB;
       ms[s] = mp + p * G * NB;
       as[s] = acc[s];
     }
-    direct_w4<R, S>(x, ldx, xsum, G, ws, ss, ms, K, gs, as);
-    for (int s = 0; s < S; ++s) emit(start[s] + i, acc[s]);
+    direct_w4<R, SS>(x, ldx, xsum, G, ws, ss, ms, K, gs, as);
+    for (int s = 0; s < SS; ++s) emit(p0 + s * base + i, acc[s]);
   }
-  for (int s = 0; s < rem; ++s) one(start[s] + base);
+}
+
+template <int R, typename Sc, typename Emit>
+void lockstep_n(int ss, int64_t p0, int64_t base, const float* x, int64_t ldx, const float* xsum, int64_t G,
+                const uint8_t* wp, const Sc* sp, const Sc* mp, int64_t K, int64_t gs, const Emit& emit) {
+  constexpr int S = w4_streams(R);
+  switch (ss) {
+    case 4: if constexpr (S >= 4) { lockstep<R, 4>(p0, base, x, ldx, xsum, G, wp, sp, mp, K, gs, emit); break; }
+            [[fallthrough]];
+    case 3: if constexpr (S >= 3) { lockstep<R, 3>(p0, base, x, ldx, xsum, G, wp, sp, mp, K, gs, emit); break; }
+            [[fallthrough]];
+    case 2: if constexpr (S >= 2) { lockstep<R, 2>(p0, base, x, ldx, xsum, G, wp, sp, mp, K, gs, emit); break; }
+            [[fallthrough]];
+    default: lockstep<R, 1>(p0, base * ss, x, ldx, xsum, G, wp, sp, mp, K, gs, emit); break;
+  }
+}
+
+// panels [p0, p1) of an M = R (<= 4) call: up to S = w4_streams(R) contiguous sub-ranges walked in lock step,
+// the leftover panels as one more lock-step group. The stream count is chosen so that no panel is left to
+// run alone where that can be avoided (9 panels: 3 x 3, not 4 x 2 + 1): one panel's accumulator chains wait
+// on FMA latency.
+template <int R, typename Sc, typename Emit>
+void direct_panels(int64_t p0, int64_t p1, const float* x, int64_t ldx, const float* xsum, int64_t G,
+                   const uint8_t* wp, const Sc* sp, const Sc* mp, int64_t K, int64_t gs, const Emit& emit) {
+  constexpr int S = w4_streams(R);
+  const int64_t cnt = p1 - p0;
+  if (cnt <= 0) return;
+  int ss = static_cast<int>(std::min<int64_t>(S, cnt));
+  for (int c = ss; c >= 2; --c)
+    if (cnt % c != 1) {
+      ss = c;
+      break;
+    }
+  const int64_t base = cnt / ss, rem = cnt % ss;
+  lockstep_n<R>(ss, p0, base, x, ldx, xsum, G, wp, sp, mp, K, gs, emit);
+  if (rem > 0) lockstep_n<R>(static_cast<int>(rem), p0 + base * ss, 1, x, ldx, xsum, G, wp, sp, mp, K, gs, emit);
 }
 
 template <typename Sc, typename Emit>

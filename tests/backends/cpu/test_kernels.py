@@ -504,18 +504,23 @@ def _fake_w4(x, packed, s, mins):
 @pytest.mark.parametrize("m", [1, 2, 3, 4])
 @pytest.mark.parametrize("compact", [False, True])
 def test_linear_w4_decode_streams_match_reference_for_any_thread_count(m, compact):
-    """M <= 4 walks a thread's panels as several streams in lock step, the leftover panels one at a time: with
-    23 panels every split occurs (1 thread: 5 streams of 4 + 3 left over at M = 1; 2 threads: 11 and 12 panels),
-    each within the fp32 bound of the float64 reference, and bit-identical for every thread count."""
-    from fxcompiler.ops.quant_linear import linear_w4, pack_int4, unpack_int4
+    """M <= 4 walks a thread's panels as several streams in lock step, the leftover panels as one more group,
+    with fewer streams where that avoids a panel alone (at M = 1, 4 streams on AVX-512): 23 panels (1 thread:
+    4 x 5 + 3; 2 threads: 12 = 4 x 3 and 11 = 4 x 2 + 3; 3 threads: 8 = 4 x 2 and 7 = 4 + 3) and 9 panels (1
+    thread: 3 x 3; 2 threads: 5 = 3 + 2 and 4), each within the fp32 bound of the float64 reference, and
+    bit-identical for every thread count."""
+    for panels in (23, 9):
+        _w4_streams_case(m, compact, panels * 32 - 5)
 
-    n, k = 23 * 32 - 5, 192
+
+def _w4_streams_case(m, compact, n):
+    from fxcompiler.ops.quant_linear import dequantize_linear_weight_int4, linear_w4, pack_int4, unpack_int4
+
+    k = 192
     packed, s, mins = _w4_problem(m, k, n, 32, 11)
     if compact:
         q, s, mins = unpack_int4(packed, s, mins, n)
         packed, s, mins = pack_int4(q, s.half().float(), mins.half().float(), 32, compact=True)
-    from fxcompiler.ops.quant_linear import dequantize_linear_weight_int4
-
     x, bias = _rand(m, k, seed=12), _rand(n, seed=13)
     wd = dequantize_linear_weight_int4(packed, s, mins, n, 32).double()
     old = torch.get_num_threads()
