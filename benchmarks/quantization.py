@@ -15,6 +15,10 @@ Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, m
         # --calib-samples windows of --calib-seq-len tokens of the calibration half
         # [--w-observer minmax|mse] [--gptq-refit] [--gptq-true-sequential]: fxcompiler quantize's options
         # w8a8 (LLM W8A8, RTN), qformat-w8a8[-gptq|-smoothquant] [--smoothquant-alpha A]: fxc::linear_w8a8
+        # kv8 / kvf8 (kv_cache_dtype int8 / fp8, built-in calibration), w8a16-kvf8 (W8A16KVf8),
+        # qformat-kv8 / qformat-kvf8 / qformat-w8a16+kvf8: `fxcompiler quantize --scheme ...` [--kv-observer
+        # minmax|percentile] [--kv-percentile P]; wf8af8 (LLM Wf8Af8: RTN fp8 weights, per-token fp8 activations,
+        # fxc::linear_f8f8), qformat-wf8af8[-gptq]: `fxcompiler quantize --scheme wf8af8`
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native
            "wf8a32", "wf8a16",  # fp8 e4m3 weights (fxc::linear_f8), fp32 / bf16 activations
            "qformat-w8a16", "qformat-w4a16-g128", "qformat-fp8",  # qformat-*: a directory written by `fxcompiler quantize`
            "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq", "qformat-fp8-gptq",  # ...-gptq: with --algorithm gptq
-           "w8a8", "qformat-w8a8", "qformat-w8a8-gptq", "qformat-w8a8-smoothquant")  # W8A8: fxc::linear_w8a8
+           "w8a8", "qformat-w8a8", "qformat-w8a8-gptq", "qformat-w8a8-smoothquant",  # W8A8: fxc::linear_w8a8
+           "kv8", "kvf8", "w8a16-kvf8", "qformat-kv8", "qformat-kvf8", "qformat-w8a16+kvf8",  # quantized KV caches
+           "wf8af8", "qformat-wf8af8", "qformat-wf8af8-gptq")  # fp8 activations: fxc::linear_f8f8
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
            "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
 
@@ -51,6 +57,8 @@ def llm_kwargs(scheme: str) -> dict:
         "w8a32": q("W8A32"), "w8a16": q("W8A16"), "w8a8": q("W8A8"), "wf8a32": q("Wf8A32"), "wf8a16": q("Wf8A16"),
         "w4a32-g128": q("W4A32", quantization_group_size=128), "w4a16-g128": q("W4A16", quantization_group_size=128),
         "native-q4_1": {"keep_gguf_quantization": True},
+        "kv8": {"kv_cache_dtype": "int8"}, "kvf8": {"kv_cache_dtype": "fp8"}, "w8a16-kvf8": q("W8A16KVf8"),
+        "wf8af8": q("Wf8Af8"),
         "native-q4_1-q8head": {"keep_gguf_quantization": True, "quantize_lm_head": True},
     }
     return table[scheme]
@@ -114,6 +122,9 @@ def main() -> None:
     ap.add_argument("--gptq-refit", action="store_true", help="qformat-*-gptq: fxcompiler quantize --gptq-refit")
     ap.add_argument("--gptq-true-sequential", action="store_true", help="qformat-*-gptq: --gptq-true-sequential")
     ap.add_argument("--smoothquant-alpha", type=float, default=0.5, help="qformat-w8a8-smoothquant: the migration strength")
+    ap.add_argument("--kv-observer", default="minmax", choices=("minmax", "percentile"),
+                    help="qformat-kv8 / qformat-kvf8 / qformat-*+kvf8: fxcompiler quantize --kv-observer")
+    ap.add_argument("--kv-percentile", type=float, default=None, help="with --kv-observer percentile")
     ap.add_argument("--dry-run", action="store_true", help="check the arguments and exit (builds nothing)")
     args = ap.parse_args()
     from fxcompiler import LLM, ManualBucketConfig
@@ -138,6 +149,8 @@ def main() -> None:
             scheme = s.removeprefix("qformat-").removesuffix("-gptq").removesuffix("-smoothquant")
             algorithm = "gptq" if s.endswith("-gptq") else "smoothquant" if s.endswith("-smoothquant") else "rtn"
             extra = {"smoothquant_alpha": args.smoothquant_alpha} if algorithm == "smoothquant" else {}
+            if "kv" in scheme:
+                extra.update(kv_observer=args.kv_observer, kv_percentile=args.kv_percentile)
             model = str(quantize_model(args.model, os.path.join(tmp.name, s), scheme, algorithm=algorithm, **extra,
                                        num_samples=args.calib_samples, seq_len=args.calib_seq_len, progress=False,
                                        gptq=GPTQConfig(observer=args.w_observer, refit=args.gptq_refit,
