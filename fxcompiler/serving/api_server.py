@@ -267,21 +267,34 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
     async def stream_completion(gens, rid, created, req, n):
         prompt_tokens, completion = {}, 0
         text_len: dict[int, int] = {}  # per choice: the text sent so far (the logprobs' text_offset)
+        # Chunks without logprobs are formatted from a template (the bytes json.dumps gives for the chunk's
+        # dict): every token of every stream passes here, on the event loop that shares the cores with the engine.
+        head = ('data: {"id": ' + json.dumps(rid) + ', "object": "text_completion", "created": '
+                + json.dumps(created) + ', "model": ' + json.dumps(name) + ', "choices": [{"index": ')
+        with_logprobs = req.logprobs is not None
+        dumps = json.dumps
+        single = len(gens) == 1  # one prompt: its stream read directly (one generator less per token)
+        source = gens[0][1] if single else merged(gens)
         try:
-            async for i, out in merged(gens):
+            async for item in source:
+                i, out = (0, item) if single else item
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion += len(c.token_ids)
                     # tokens whose text the detokenizer holds back (a partial UTF-8 character) still
                     # send their logprobs, as vLLM does; without logprobs they wait for their text
-                    if not c.text and c.finish_reason is None and not (req.logprobs is not None and c.token_ids):
+                    if not c.text and c.finish_reason is None and not (with_logprobs and c.token_ids):
                         continue
                     index = i * n + c.index
+                    if not with_logprobs:
+                        finish = _finish(c.finish_reason)
+                        yield (f'{head}{index}, "text": {dumps(c.text)}, "finish_reason": '
+                               f'{"null" if finish is None else dumps(finish)}, "logprobs": null}}]}}\n\n').encode()
+                        continue
                     chunk = {"id": rid, "object": "text_completion", "created": created, "model": name,
                              "choices": [{"index": index, "text": c.text,
                                           "finish_reason": _finish(c.finish_reason),
-                                          "logprobs": logprobs_completion(c, text_len.get(index, 0))
-                                          if req.logprobs is not None else None}]}
+                                          "logprobs": logprobs_completion(c, text_len.get(index, 0))}]}
                     text_len[index] = text_len.get(index, 0) + len(c.text)
                     yield f"data: {json.dumps(chunk)}\n\n"
             if req.stream_options and req.stream_options.include_usage:
@@ -292,6 +305,9 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
                                                        "total_tokens": ptoks + completion}}) + "\n\n"
         except EngineDeadError as exc:
             yield "data: " + json.dumps(OpenAIError(str(exc), 503, "ServiceUnavailableError").body()) + "\n\n"
+        finally:
+            if single:
+                await source.aclose()  # a stream left early (disconnect): its request is aborted
         yield "data: [DONE]\n\n"
 
     # -- /v1/chat/completions -----------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Requests go to ``/v1/completions`` (streamed, ``ignore_eos``, a fixed ``--output-len``) with
 Poisson arrivals at ``--request-rate`` (``inf``: all at once) and at most ``--max-concurrency``
-in flight, each read by ``sse_client.post_sse`` (a lean client: its CPU time per token comes out of
-the server's on a shared host). Prompts are cut from text shipped with Python (``pydoc_data.topics``). Reported:
+in flight, each read by ``sse_client.stream_sse`` (a lean client: its CPU time per token comes out of
+the server's on a shared host; each event is parsed and timestamped in the protocol callback that reads it). Prompts are cut from text shipped with Python (``pydoc_data.topics``). Reported:
 TTFT, TPOT (per request, after the first token), ITL (between chunks) and end-to-end latency
 p50/p90/p99 in ms, request and output-token throughput; ``--result-json`` writes them.
 """
@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
-from .sse_client import HTTPStatusError, post_sse
+from .sse_client import HTTPStatusError, stream_sse
 
 __all__ = ["add_bench_serve_args", "bench", "run_bench_serve", "BenchResult"]
 
@@ -88,30 +87,30 @@ def _pct(values: list[float]) -> dict[str, float]:
 async def _one(url: str, body: dict, headers: dict[str, str], timeout: float) -> _Req:
     r = _Req()
     t0 = time.perf_counter()
+    last = t0
+    loads = json.loads
 
-    async def consume() -> None:
-        last = None
-        async with contextlib.aclosing(post_sse(url, body, headers)) as events:
-            async for data in events:  # each event as its bytes arrive: TTFT/ITL are stamped here
-                if data == "[DONE]":
-                    continue
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    r.error = str(chunk["error"])
-                    return
-                if chunk.get("usage"):
-                    r.output_tokens = chunk["usage"]["completion_tokens"]
-                if not any(c.get("text") for c in chunk.get("choices", ())):
-                    continue
-                now = time.perf_counter()
-                if r.ttft is None:
-                    r.ttft = now - t0
-                else:
-                    r.itl.append(now - last)
-                last = now
+    def on_event(data: str) -> None:  # called as the event's bytes are read: TTFT/ITL are stamped here
+        nonlocal last
+        now = time.perf_counter()
+        if data == "[DONE]" or r.error is not None:
+            return
+        chunk = loads(data)
+        if "error" in chunk:
+            r.error = str(chunk["error"])
+            return
+        if chunk.get("usage"):
+            r.output_tokens = chunk["usage"]["completion_tokens"]
+        if not any(c.get("text") for c in chunk.get("choices", ())):
+            return
+        if r.ttft is None:
+            r.ttft = now - t0
+        else:
+            r.itl.append(now - last)
+        last = now
 
     try:
-        await asyncio.wait_for(consume(), timeout)
+        await asyncio.wait_for(stream_sse(url, body, headers, on_event), timeout)
         if r.error is not None:
             return r
         r.e2e = time.perf_counter() - t0

@@ -221,7 +221,8 @@ class _Stream:
         self.done = False
 
     def put(self, out: RequestOutput, now: float) -> None:  # on the event loop
-        n_new = sum(len(c.token_ids) for c in out.outputs)
+        outputs = out.outputs
+        n_new = len(outputs[0].token_ids) if len(outputs) == 1 else sum(len(c.token_ids) for c in outputs)
         if n_new:
             m = self.metrics
             if m.first_token is None:
@@ -229,7 +230,9 @@ class _Stream:
             m.last_token = now
             m.num_generation_tokens += n_new
             m.token_times.append(now)
-        self.pending = _merge(self.pending, out)
+        # the engine built ``out`` for this stream alone (a DELTA output, fresh lists): kept as it is
+        # when nothing is pending (the usual case: the consumer keeps up), merged (copied) otherwise
+        self.pending = out if self.pending is None else _merge(self.pending, out)
         self.event.set()
 
     def fail(self, exc: BaseException) -> None:
