@@ -286,9 +286,6 @@ class LLM:
             if data_parallel_size not in (None, 1):
                 raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} with data_parallel_size > 1 is not wired "
                                           "(each replica's cache would need the scales); use kv_cache_dtype='auto'")
-            if kv_cache_sharing_across_beams_config is not None:
-                raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} with kv_cache_sharing_across_beams_config "
-                                          "is not tested; use kv_cache_dtype='auto'")
             if artifacts_export_path is not None and speculative_model is not None:
                 raise NotImplementedError(f"exporting an artifact of a kv_cache_dtype={kv_cache_dtype!r} target with a "
                                           "draft is not wired")

@@ -148,3 +148,65 @@ def test_a_float_kv_quantization_config_conflicts_with_an_int8_cache(tiny_models
     with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' conflicts with llm_config.quantization_config=W8A16KV16"):
         LLM(str(tiny_models["llama"]), kv_cache_dtype="int8",
             llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W8A16KV16")))
+
+
+def check_beams_share_quantized_blocks(llm: LLM) -> None:
+    """Beam search over an int8 / fp8 cache with ``kv_cache_sharing_across_beams_config``: the beams share their
+    prompt's blocks (copy-on-write copies the codes of a shared last block as bytes; the static scales live in the
+    scale block, which no copy touches), and give the same beams as a run whose forks copy every block at once
+    (no block shared by two beams), on the same engine and buckets; every block returns and the scales stay."""
+    from .test_decoding import beam_params
+
+    prompts = [PREFIX[:21], PREFIX[10:30], PREFIX[20:45]]
+    params = beam_params(4, 1.0, False, None, max_tokens=12)
+    blocks, kv = llm.engine.scheduler.blocks, llm.engine.runner.kv
+    scale_block = [t[kv.num_blocks].view(torch.uint8).clone() for t in kv.k + kv.v]  # bytes: fp32 in e4m3 has NaNs
+    shared_refs = []
+    fork = blocks.fork
+
+    def watching_fork(parent, child):
+        fork(parent, child)
+        shared_refs.append(int(blocks.ref_counts[blocks.block_tables[child.slot, 0]]))
+
+    blocks.fork = watching_fork
+    try:
+        cows = llm.engine.stats.copies_on_write
+        shared = [[c.token_ids for c in o.outputs] for o in llm.generate(None, params, prompt_token_ids=prompts)]
+        assert shared_refs and max(shared_refs) >= 4  # a prompt block read by all four beams
+        assert llm.engine.stats.copies_on_write > cows  # the codes of shared last blocks were copied
+    finally:
+        del blocks.fork
+    _all_blocks_free(llm)
+
+    def private_fork(parent, child):  # the child gets its own copy of every block: nothing shared
+        fork(parent, child)
+        for i in range(int(blocks.num_seq_blocks[child.slot])):
+            old, new = int(blocks.block_tables[child.slot, i]), blocks._take()
+            blocks.pending_copies.append((old, new))
+            blocks._release(old)
+            blocks.block_tables[child.slot, i] = new
+        assert not set(blocks.block_tables[child.slot, :int(blocks.num_seq_blocks[child.slot])]) & set(
+            blocks.block_tables[parent.slot, :int(blocks.num_seq_blocks[parent.slot])])
+
+    blocks.fork = private_fork
+    try:
+        private = [[c.token_ids for c in o.outputs] for o in llm.generate(None, params, prompt_token_ids=prompts)]
+    finally:
+        del blocks.fork
+    assert private == shared
+    assert all(len(beams) == 4 for beams in shared) and any(len({tuple(b) for b in beams}) > 1 for beams in shared)
+    _all_blocks_free(llm)
+    assert all(torch.equal(t[kv.num_blocks].view(torch.uint8), s) for t, s in zip(kv.k + kv.v, scale_block))
+
+
+def test_beams_share_int8_blocks(tiny_models, reference):
+    from fxcompiler.config import KvCacheSharingAcrossBeamsConfig
+
+    scales, _ = reference
+    llm = _llm(tiny_models["llama"], kv_cache_scales=scales,
+               kv_cache_sharing_across_beams_config=KvCacheSharingAcrossBeamsConfig(4, 12))
+    try:
+        assert llm.engine.runner.kv.k[0].dtype == torch.int8
+        check_beams_share_quantized_blocks(llm)
+    finally:
+        llm.shutdown()

@@ -127,3 +127,18 @@ def test_conflicting_kv_dtypes_are_refused(tiny_models):
         LLM(path, kv_cache_dtype="fp8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp8' with skip_engine=True needs kv_cache_scales"):
         LLM(path, kv_cache_dtype="fp8", skip_engine=True, cache_dir=None, max_seq_len_to_capture=128)
+
+
+def test_beams_share_fp8_blocks(tiny_models, reference):
+    from fxcompiler.config import KvCacheSharingAcrossBeamsConfig
+
+    from .test_kv8_engine import check_beams_share_quantized_blocks
+
+    scales, _, _ = reference
+    llm = _llm(tiny_models["llama"], kv_cache_scales=scales,
+               kv_cache_sharing_across_beams_config=KvCacheSharingAcrossBeamsConfig(4, 12))
+    try:
+        assert llm.engine.runner.kv.k[0].dtype == F8
+        check_beams_share_quantized_blocks(llm)
+    finally:
+        llm.shutdown()
