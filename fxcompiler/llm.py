@@ -279,13 +279,15 @@ class LLM:
                                  f"{kv_cache_dtype} scales of {os.fspath(kv_cache_scales)!r}")
             kv_cache_dtype = quant_kv[kv_quant]
         if kv_cache_dtype != "auto":
-            if tensor_parallel_size * pipeline_parallel_size > 1:
-                raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} with tensor/pipeline parallelism: the "
-                                          "rank workers would need their shard of the per-KV-head scales and their "
-                                          "own calibration; use kv_cache_dtype='auto'")
-            if data_parallel_size not in (None, 1):
-                raise NotImplementedError(f"kv_cache_dtype={kv_cache_dtype!r} with data_parallel_size > 1 is not wired "
-                                          "(each replica's cache would need the scales); use kv_cache_dtype='auto'")
+            from .multihost import torchrun_env
+
+            if kv_cache_scales is None and (mppp is not None or tensor_parallel_size * pipeline_parallel_size > 1
+                                            or torchrun_env() is not None):
+                raise NotImplementedError(
+                    f"kv_cache_dtype={kv_cache_dtype!r} with tensor/pipeline parallelism (or torchrun ranks) needs "
+                    "kv_cache_scales: the built-in calibration runs a one-process engine. Calibrate once with "
+                    "fxcompiler.kv_cache_quant.quantize_kv_cache on a one-process LLM (or `fxcompiler quantize "
+                    "--scheme ...+kv8 / +kvf8`) and pass kv_cache_scales= (or a kv_cache_scales.json beside the model)")
             if artifacts_export_path is not None and speculative_model is not None:
                 raise NotImplementedError(f"exporting an artifact of a kv_cache_dtype={kv_cache_dtype!r} target with a "
                                           "draft is not wired")
@@ -396,6 +398,15 @@ class LLM:
             # or under torchrun the job's ranks, dp x pp x tp of them)
             rank_kwargs = {k: v for k, v in llm_kwargs.items()  # the draft and its speculator live in this process
                            if not k.startswith("speculative_") and k != "num_speculative_tokens"}
+            if kv_cache_dtype != "auto":  # KV8 / KVf8: the model's scales, checked here; each rank slices its share
+                from .kv_cache_quant import check_kv_scales
+
+                c = loaded.config
+                self.kv_cache_scales = check_kv_scales(
+                    kv_cache_scales, int(c.num_hidden_layers),
+                    int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads))
+                rank_kwargs.update(kv_cache_dtype=kv_cache_dtype,
+                                   kv_cache_scales=tuple(t.tolist() for t in self.kv_cache_scales))
             self._start_parallel(rank_kwargs, loaded.config, prefill, decode, paged_attention_block_size,
                                  enable_prefix_caching, skip_engine, artifacts_export_path,
                                  kv_cache_sharing_across_beams_config)
@@ -463,6 +474,10 @@ class LLM:
                 self.kv_cache_scales = self._calibrate_kv_cache(enable_prefix_caching)
             else:
                 g = self.geometry
+                if mppp is not None:  # a rank: the model's scales, sliced to its stage's layers and its KV heads
+                    from .parallel_llm import rank_kv_scales
+
+                    kv_cache_scales = rank_kv_scales(kv_cache_scales, loaded.config, mppp)
                 self.kv_cache_scales = check_kv_scales(kv_cache_scales, g.num_layers, g.num_kv_heads)
             self.kv_cache_plan = plan_kv_cache(self.geometry, **plan_args, kv_dtype=KV_TORCH_DTYPES[kv_cache_dtype])
         if artifacts_export_path is not None and spec_request is None:
@@ -572,7 +587,7 @@ class LLM:
         """KV8 / KVf8 scales from the built-in calibration sample, with a float-cache engine started for it."""
         from .kv_cache_quant import quantize_kv_cache
 
-        self._start(False, enable_prefix_caching, None)
+        self._start(False, enable_prefix_caching, None, replicas=1)  # data-parallel replicas: one calibrates
         try:
             return quantize_kv_cache(self, kv_dtype=self.kv_cache_dtype)
         finally:  # the float engine goes; _start then builds the int8 one
@@ -587,8 +602,10 @@ class LLM:
 
         return KV_TORCH_DTYPES[self.kv_cache_dtype]
 
-    def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config) -> None:
-        """Start the engine over the built pipelines (unless ``skip_engine``) and its driver thread."""
+    def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config,
+               replicas: int | None = None) -> None:
+        """Start the engine over the built pipelines (unless ``skip_engine``) and its driver thread: one per
+        data-parallel replica (in-process replicas share the pipelines), or ``replicas`` of them."""
         from .build import start_engine
 
         self.engine = None
@@ -600,7 +617,7 @@ class LLM:
                 device=self._device, tokenizer=self.tokenizer, eos_token_ids=self._eos,
                 max_context=self.max_seq_len_to_capture, kv_scales=self.__dict__.get("kv_cache_scales"),
                 kv_dtype=self._kv_torch_dtype())
-                for _ in range(plan.dp if plan is not None else 1)])
+                for _ in range(replicas or (plan.dp if plan is not None else 1))])
             self.engine.configure(enable_prefix_caching=enable_prefix_caching,
                                   prefill_chunk_size=self.prefill_chunk_size,
                                   kv_cache_sharing_across_beams=kv_cache_sharing_across_beams_config)

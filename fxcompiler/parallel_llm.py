@@ -220,3 +220,24 @@ def rank_step_runner(llm):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     return run_step
+
+
+def rank_kv_scales(scales, config, mppp: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A rank's KV8 / KVf8 scales: the model's ``[num_layers, num_kv_heads]`` scales (checked against the model)
+    sliced to its pipeline stage's layers (renumbered from 0, as ``cut_stage`` renumbers the caches) and its
+    tensor-parallel KV heads (``head_layout``: its contiguous share, or with ``tp > num_kv_heads`` the one
+    replicated KV head its query heads read); every data-parallel replica takes the same slice."""
+    from passes.mppp import stage_layers
+
+    from .kv_cache_quant import check_kv_scales
+    from .mppp import head_layout
+
+    plan = ParallelPlan.from_dict(dict(mppp["plan"]))
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    layers = int(config.num_hidden_layers)
+    k, v = check_kv_scales(scales, layers, kv_heads)
+    _, pp_rank, tp_rank = plan.mesh.coords(int(mppp["rank"]))
+    start, stop = stage_layers(layers, plan.pp, plan.num_blocks_per_pp_stage)[pp_rank]
+    lay = head_layout(tp_rank, plan.tp, heads, kv_heads)
+    return tuple(t[start:stop, lay.kv_start:lay.kv_start + lay.kv_heads].contiguous() for t in (k, v))

@@ -184,8 +184,10 @@ def test_int8_cache_block_count_and_scale_block():
         PagedKVCache(2, 5, 4, 3, 8, torch.int8, torch.device("cpu"))
 
 
-def test_tensor_parallel_int8_is_refused(tiny_models):
-    with pytest.raises(NotImplementedError, match="tensor/pipeline parallelism"):
+def test_tensor_parallel_int8_without_scales_is_refused(tiny_models):
+    """The built-in calibration runs a one-process engine: rank workers need the scales given
+    (tests/test_parallel_kv8.py runs tp / pp / dp with them)."""
+    with pytest.raises(NotImplementedError, match="tensor/pipeline parallelism .* needs kv_cache_scales"):
         LLM(str(tiny_models["llama"]), kv_cache_dtype="int8", tensor_parallel_size=2)
 
 
