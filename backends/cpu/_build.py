@@ -284,6 +284,15 @@ def set_prefetch(on: bool) -> bool:
     return bool(_state["lib"].fxc_set_prefetch(int(bool(on))))
 
 
+def set_panel_prefetch(on: bool) -> bool:
+    """Switch the fp32 multi-row-block path's L2 prefetch of the next weight panel on/off in this process
+    (benchmarks, tests; results are the same bits either way); returns the new state.
+    ``FXCOMPILER_CPU_PANEL_PREFETCH=0`` switches it off for a whole process."""
+    if not ensure_loaded():
+        return False
+    return bool(_state["lib"].fxc_set_panel_prefetch(int(bool(on))))
+
+
 def prefetch_enabled() -> bool:
     """Whether the loaded linear kernels issue software prefetches (False without kernels)."""
     return bool(ensure_loaded() and _state["lib"].fxc_kernels_prefetch())

@@ -89,6 +89,32 @@ def test_software_prefetch_switch_leaves_results_unchanged():
         _build.set_prefetch(before)
 
 
+@SETTINGS
+@given(st.integers(13, 80), st.one_of(st.integers(1, 300), st.sampled_from([576, 1536])), st.integers(33, 300),
+       st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([1, 2, 3]))
+def test_fp32_next_panel_prefetch_same_bits_and_matches_aten(m, k, n, seed, with_bias, threads):
+    """fp32 weights, more rows than one register block (several row blocks per panel): the L2 prefetch of
+    the next panel (on by default, FXCOMPILER_CPU_PANEL_PREFETCH=0 / set_panel_prefetch) gives the same bits
+    on and off, for any split of the panels between threads, and agrees with ATen's F.linear."""
+    if not fxc.kernels_available():
+        pytest.skip("no C++ kernels here")
+    w, x = _rand(n, k, seed=seed), _rand(m, k, seed=seed + 1)
+    bias = _rand(n, seed=seed + 2) if with_bias else None
+    packed = fxc.pack_linear_weight(w, torch.float32)
+    before, nthreads = _build.set_panel_prefetch(True), torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        on = torch.ops.fxc.linear(x, packed, bias, n)
+        assert not _build.set_panel_prefetch(False)
+        off = torch.ops.fxc.linear(x, packed, bias, n)
+    finally:
+        _build.set_panel_prefetch(before)
+        torch.set_num_threads(nthreads)
+    assert torch.equal(on, off)
+    torch.testing.assert_close(on, F.linear(x, w, bias), rtol=1e-4, atol=1e-4 * (k ** 0.5))
+    _check(on, x, w.double(), bias)
+
+
 @st.composite
 def problems(draw):
     m = draw(st.integers(1, 64))
@@ -260,6 +286,14 @@ _PATHS_CODE = """
             y = torch.ops.fxc.linear_w8(x, q, s, b, n, g)
             wd = fxc.dequantize_linear_weight_int8(q, s, n, g).double()
             torch.testing.assert_close(y.double(), x.double() @ wd.T + b.double(), rtol=1e-4, atol=1e-4)
+    from backends.cpu import _build
+    w, x = torch.randn(300, 576), torch.randn(32, 576)  # fp32, several row blocks and panels per thread
+    wp = fxc.pack_linear_weight(w, torch.float32)
+    assert _build.set_panel_prefetch(False) is False
+    off = torch.ops.fxc.linear(x, wp, None, 300)
+    assert _build.set_panel_prefetch(True) is True
+    assert torch.equal(torch.ops.fxc.linear(x, wp, None, 300), off)
+    torch.testing.assert_close(off, torch.nn.functional.linear(x, w), rtol=1e-4, atol=1e-3)
     print("OK", fxc.isa())
 """
 
