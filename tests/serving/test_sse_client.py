@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fxcompiler.serving.sse_client import HTTPStatusError, post_sse
+from fxcompiler.serving.sse_client import HTTPStatusError, post_sse, stream_sse
 
 
 def _chunked(pieces: list[bytes]) -> bytes:
@@ -43,6 +43,25 @@ def test_chunked_events_split_and_joined_across_chunks():
     assert request.startswith(b"POST /v1/completions HTTP/1.1\r\n")
     assert b"\r\nAuthorization: Bearer k\r\n" in request
     assert json.loads(request.split(b"\r\n\r\n", 1)[1]) == {"a": 1}
+
+
+def test_stream_sse_calls_back_per_event_and_raises_what_the_callback_raises():
+    head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+    pieces = [b'data: {"x": 1}\n\ndata: {"x": 2}\n', b"\ndata: [DONE]\n\n"]
+
+    async def go(on_event):
+        server, port = await _serve(head + _chunked(pieces), [])
+        async with server:
+            await stream_sse(f"http://127.0.0.1:{port}/v1/completions", {}, None, on_event)
+
+    got: list[str] = []
+    asyncio.run(go(got.append))
+    assert got == ['{"x": 1}', '{"x": 2}', "[DONE]"]
+
+    def bad(data: str) -> None:
+        raise KeyError(data)
+    with pytest.raises(KeyError, match="x"):
+        asyncio.run(go(bad))
 
 
 def test_content_length_body_and_multiline_data():
