@@ -144,25 +144,14 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
             raise ValueError(f"quantization_group_size={group_size} with W8A8: int8 activations take one weight "
                              "scale per output channel (use -1 or leave it unset)")
         opts["activation"] = "int8"
-        experts = next((getattr(model_config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
-                        if getattr(model_config, a, None)), None)
-        if experts:
-            raise NotImplementedError(
-                f"llm_config.quantization_config={quantization_config} on model type "
-                f"{getattr(model_config, 'model_type', '?')!r}: its {experts} MoE experts run inside fxc::moe, which "
-                "has no int8-activation (W8A8) kernel; W8A8 is built for dense decoder layers (weight-only W8A16 / "
-                "W4A16 / Wf8A16 build for this model)")
+        _refuse_moe_activations(quantization_config, model_config, "int8-activation (W8A8) kernel; W8A8",
+                                "weight-only W8A16 / W4A16 / Wf8A16 build")
         if qformat is not None and qformat.metadata.get("algorithm") == "smoothquant":
             opts["smoothquant"] = True
     if opts and quantization_config is not None and quantization_config.activation == QDtype.FP8:
         opts["activation"] = "fp8"  # Wf8Af8: per-token e4m3 activations (fxc::linear_f8f8)
-        experts = next((getattr(model_config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
-                        if getattr(model_config, a, None)), None)
-        if experts:
-            raise NotImplementedError(
-                f"llm_config.quantization_config={quantization_config} on model type "
-                f"{getattr(model_config, 'model_type', '?')!r}: its {experts} MoE experts run inside fxc::moe, which "
-                "has no fp8-activation kernel; Wf8Af8 is built for dense decoder layers (Wf8A16 builds for this model)")
+        _refuse_moe_activations(quantization_config, model_config, "fp8-activation kernel; Wf8Af8",
+                                "Wf8A16 builds")
     if keep_gguf_quantization and not check_source:
         opts.setdefault("weight", "native")
     elif keep_gguf_quantization:
@@ -187,6 +176,18 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
     elif opts:
         opts["scheme"] = "gguf-native"
     return (opts or None), bf16
+
+
+def _refuse_moe_activations(quantization_config: QuantizationConfig, model_config: Any, kernel: str,
+                            instead: str) -> None:
+    """Quantized activations are built for dense decoder layers: MoE experts run inside ``fxc::moe``."""
+    experts = next((getattr(model_config, a) for a in ("num_local_experts", "num_experts", "n_routed_experts")
+                    if getattr(model_config, a, None)), None)
+    if experts:
+        raise NotImplementedError(
+            f"llm_config.quantization_config={quantization_config} on model type "
+            f"{getattr(model_config, 'model_type', '?')!r}: its {experts} MoE experts run inside fxc::moe, which "
+            f"has no {kernel} is built for dense decoder layers ({instead} for this model)")
 
 
 def quantized_kv_dtype(quantization_config: QuantizationConfig | None, qformat_path=None) -> QDtype | None:
