@@ -14,7 +14,8 @@ Times are medians of per-call times (perf_counter) after warm-up, 2 threads; "be
 fastest call.  On a shared VM use --wait-quiet (waits for idle CPUs before each measurement).
 
 Candidates:
-  fp32: fxc.linear, torch.mm(x, W^T pre-transposed), F.linear(x, W), mkl packed (inductor freezing, fp32)
+  fp32: fxc.linear, the same without the next-panel L2 prefetch of M > 12 (switched off in-process),
+        torch.mm(x, W^T pre-transposed), F.linear(x, W), mkl packed (inductor freezing, fp32)
   bf16: fxc.linear (fp32 x), fxc.linear (bf16 x), and where the VDPBF16PS kernel is in use the FMA path it
         replaced (bf16 x, switched off in-process), torch.mm(x, W^T), F.linear(x, W), oneDNN packed
         (mkldnn._linear_pointwise); the torch candidates take bf16 x
@@ -102,6 +103,15 @@ def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
         wp0 = fxc.pack_linear_weight(wd, dt)
         wps = [wp0.clone() for _ in range(c)]
         yield "fxc.linear", lambda x: (lambda wp: torch.ops.fxc.linear(x, wp, None, n), [(p,) for p in wps])
+        if dt == torch.float32:  # M > 12: the same kernel without the next-panel L2 prefetch, same process
+            def no_panel_prefetch(wp, x):
+                _build.set_panel_prefetch(False)
+                try:
+                    return torch.ops.fxc.linear(x, wp, None, n)
+                finally:
+                    _build.set_panel_prefetch(True)
+            yield "fxc.linear (no panel prefetch)", lambda x: (lambda wp: no_panel_prefetch(wp, x),
+                                                               [(p,) for p in wps])
         if dt == torch.bfloat16:  # same kernel fed bf16 activations (bf16 output), as the torch candidates
             yield "fxc.linear (x bf16)", lambda x: (lambda wp, xb=x.bfloat16(): torch.ops.fxc.linear(xb, wp, None, n),
                                                     [(p,) for p in wps])
