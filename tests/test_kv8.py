@@ -30,15 +30,21 @@ def kernels():
     return mod
 
 
-def _problem(draw_seed, B, Hkv, G, D, bs, S, ctx, dtype):
+def _int8_codes(g, shape):
+    return torch.randint(-127, 128, shape, dtype=torch.int8, generator=g)
+
+
+def _problem(draw_seed, B, Hkv, G, D, bs, S, ctx, dtype, codes=_int8_codes, scale_range=(0.01, 0.05)):
+    """A random paged-attention problem on a quantized cache (``codes(g, shape)`` draws the cache's codes; the
+    per-KV-head scales are uniform in ``scale_range``)."""
     g = torch.Generator().manual_seed(draw_seed)
     Hq = Hkv * G
     mb = -(-(max(ctx) + S) // bs)
     nb = B * mb + 2  # null block, the sequences' blocks, the scale block
-    kc = torch.randint(-127, 128, (nb, bs, Hkv, D), dtype=torch.int8, generator=g)
-    vc = torch.randint(-127, 128, (nb, bs, Hkv, D), dtype=torch.int8, generator=g)
-    kv8_set_scales(kc, torch.rand(Hkv, generator=g) * 0.05 + 0.01)
-    kv8_set_scales(vc, torch.rand(Hkv, generator=g) * 0.05 + 0.01)
+    kc, vc = codes(g, (nb, bs, Hkv, D)), codes(g, (nb, bs, Hkv, D))
+    lo, hi = scale_range
+    kv8_set_scales(kc, torch.rand(Hkv, generator=g) * (hi - lo) + lo)
+    kv8_set_scales(vc, torch.rand(Hkv, generator=g) * (hi - lo) + lo)
     perm = torch.randperm(nb - 2, generator=g) + 1
     bt = perm[: B * mb].view(B, mb).contiguous()
     L0 = torch.tensor(ctx[:B])

@@ -14,6 +14,7 @@ from fxcompiler.kv_cache_quant import check_kv_scales, load_kv_scales, parse_kv_
 from fxcompiler.ops.paged_attention import (FP8_MAX, kv8_scales, kv8_set_scales, kvf8_quantize,
                                             paged_attention_reference, write_kv_reference)
 from runtime.block_manager import PagedKVCache
+from tests.test_kv8 import _problem as kv8_problem
 
 F8 = torch.float8_e4m3fn
 
@@ -36,22 +37,7 @@ def _codes(g, shape):
 
 
 def _problem(seed, B, Hkv, G, D, bs, S, ctx, dtype):
-    g = torch.Generator().manual_seed(seed)
-    Hq = Hkv * G
-    mb = -(-(max(ctx) + S) // bs)
-    nb = B * mb + 2  # null block, the sequences' blocks, the scale block
-    kc, vc = _codes(g, (nb, bs, Hkv, D)), _codes(g, (nb, bs, Hkv, D))
-    kv8_set_scales(kc, torch.rand(Hkv, generator=g) * 0.02 + 0.002)
-    kv8_set_scales(vc, torch.rand(Hkv, generator=g) * 0.02 + 0.002)
-    perm = torch.randperm(nb - 2, generator=g) + 1
-    bt = perm[: B * mb].view(B, mb).contiguous()
-    L0 = torch.tensor(ctx[:B])
-    qpos = L0.view(B, 1) + torch.arange(S).view(1, S)
-    slot = torch.stack([bt[b][qpos[b] // bs] * bs + qpos[b] % bs for b in range(B)])
-    q = torch.randn(B, Hq, S, D, generator=g).to(dtype)
-    k = (torch.randn(B, Hkv, S, D, generator=g) * 2).to(dtype)
-    v = (torch.randn(B, Hkv, S, D, generator=g) * 2).to(dtype)
-    return q, k, v, kc, vc, bt, slot, qpos, L0 + S
+    return kv8_problem(seed, B, Hkv, G, D, bs, S, ctx, dtype, codes=_codes, scale_range=(0.002, 0.022))
 
 
 def _bytes_equal(a, b) -> bool:
