@@ -21,6 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.export import Dim
 
 from .models.attention import paged_inputs, use_paged_attention
 from .models.moe import fxc_moe_blocks
@@ -140,8 +141,6 @@ def example_inputs(geometry: ModelGeometry, *, batch: int = 2, tokens: int = 3, 
 
 
 def _dynamic_shapes(num_layers: int):
-    from torch.export import Dim  # not at import: a warm start loads cached programs without torch.export (0.14 s)
-
     B = Dim("batch", min=1, max=8192)
     T = Dim("tokens", min=1, max=1 << 16)
     MB = Dim("table_blocks", min=1, max=1 << 16)
