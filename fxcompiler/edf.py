@@ -128,6 +128,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
     moe = importlib.import_module("fxcompiler.ops.moe")
     w8a8 = importlib.import_module("fxcompiler.ops.w8a8_linear")
     f8lin = importlib.import_module("fxcompiler.ops.f8_linear")
+    qemb = importlib.import_module("fxcompiler.ops.quant_embedding")
     ops = torch.ops.fxc
     # The fused q/k/v attention becomes ATen head views + the rope reference (Inductor fuses them
     # with their neighbours) around the attention op, kept or itself rewritten like a lone one.
@@ -145,6 +146,8 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         ops.linear_f8f8.default: f8lin.linear_f8f8_composite,  # row quantization inlined, linear_f8 kept
         ops.linear_by_m.default: lin.linear_by_m_dense,
         ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined
+        ops.embedding_w8.default: qemb.embedding_w8_reference,  # only the gathered rows dequantised
+        ops.embedding_w4.default: qemb.embedding_w4_reference,
     }
 
 

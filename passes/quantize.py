@@ -55,6 +55,7 @@ from .lower_cpu_kernels import _match
 log = logging.getLogger("fxcompiler.passes")
 
 _HEAD_WORDS = ("lm_head", "embed_tokens", "wte", "embed_out", "output.weight")
+_CHECK_ROWS = 4096  # rows of a GGUF tensor dequantised at a time by the exactness check
 
 
 def _sources(target: str) -> list[str]:
@@ -146,6 +147,7 @@ class QuantizePass:
         graph = gm.graph
         sites = [s for node in list(graph.nodes) if (s := _match(node, ctx)) is not None and s.transposed]
         packed: dict[str, tuple] = {}
+        self._by_native: dict[str, tuple] = {}  # checkpoint tensor name -> its packed op (a tied table shares it)
         matched: set[int] = set()
         seen: set[str] = set()
         info = {"quantized": 0, "kept": 0, "native": 0, "rtn": 0, "exact_checked": 0, "ops": {}, "weight_bytes": 0}
@@ -191,6 +193,8 @@ class QuantizePass:
                             f"(modules: {', '.join(mods[:6])}{', ...' if len(mods) > 6 else ''})")
         if qparam is not None:
             qparam.check_all_used()
+        if native is not None:
+            self._native_embeddings(gm, ctx, native, info)
         info["dropped_params"] = ctx.drop_unused_params(gm)
         if native is not None:
             info["gguf_skipped"] = dict(native.skipped)
@@ -239,16 +243,11 @@ class QuantizePass:
         if from_ckpt is not None:
             exact = self._check_exact(from_ckpt, w_kn, target)
             info["exact_checked"] += exact
-            codes = torch.cat([p.codes for p in from_ckpt], 0)
-            scales = torch.cat([p.scales for p in from_ckpt], 0)
             info["native"] += 1
-            if from_ckpt[0].bits == 4:
-                mins = torch.cat([p.mins for p in from_ckpt], 0)
-                group = from_ckpt[0].group
-                q, s, m = pack_int4(codes, scales, mins, group, compact=True)
-                return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
-            q, s, gs = pack_int8_codes(codes, scales)
-            return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
+            op = self._pack_native(gm, ctx, target, from_ckpt, info)
+            if len(names) == 1:
+                self._by_native[names[0]] = op
+            return op
         weight = scheme["weight"]
         if weight == "keep" or w_kn.dtype not in (torch.float32, torch.bfloat16):
             return None
@@ -296,6 +295,49 @@ class QuantizePass:
         q, s = quantize_linear_weight_int8(w, group)
         return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (group,)
 
+    def _pack_native(self, gm, ctx, target, parts, info) -> tuple:
+        """``(kind, args)`` of checkpoint blocks (fused parts concatenated row-wise) in the linear ops' layouts."""
+        codes = torch.cat([p.codes for p in parts], 0)
+        scales = torch.cat([p.scales for p in parts], 0)
+        if parts[0].bits == 4:
+            mins = torch.cat([p.mins for p in parts], 0)
+            group = parts[0].group
+            q, s, m = pack_int4(codes, scales, mins, group, compact=True)
+            return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
+        q, s, gs = pack_int8_codes(codes, scales)
+        return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
+
+    def _native_embeddings(self, gm, ctx, native, info) -> None:
+        """Embedding lookups of a checkpoint's quantized table read its blocks (``fxc::embedding_w8`` /
+        ``fxc::embedding_w4``, only the gathered rows dequantised) instead of the fp32 table: for a tied table
+        the same tensors as the output projection when that runs on the blocks too. The table must dequantise
+        bit for bit to the captured fp32 parameter (else ``PassError``); a bf16 one (rounded) stays."""
+        graph = gm.graph
+        for node in list(graph.nodes):
+            if node.op != "call_function" or node.target is not torch.ops.aten.embedding.default:
+                continue
+            w_node, ids = node.args[0], node.args[1]
+            w = ctx.param_of(w_node) if isinstance(w_node, torch.fx.Node) else None
+            if w is None or w.dtype != torch.float32 or w.dim() != 2:
+                continue
+            target = ctx.placeholder_spec(w_node).target
+            name = _native_name(target, native.tensors)
+            if name not in native.tensors:
+                continue
+            if name not in self._by_native:
+                part = native.tensors[name]
+                info["exact_checked"] += self._check_exact([part], w.t(), target)
+                self._by_native[name] = self._pack_native(gm, ctx, target, [part], info)
+            kind, args = self._by_native[name]
+            op = torch.ops.fxc.embedding_w4.default if kind == "w4" else torch.ops.fxc.embedding_w8.default
+            with graph.inserting_before(node):
+                new = graph.call_function(op, (ids, *args[:-1], int(w.shape[0]), args[-1]))
+            new.meta["val"] = node.meta.get("val")
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            ctx.drop_param_if_unused(gm, w_node)
+            info["embeddings"] = info.get("embeddings", 0) + 1
+
     @staticmethod
     def _w8a8(cfg: dict, weight: str, group: int, target: str) -> bool:
         """True when this matmul takes int8 activations (``activation: int8``); raises for a scheme W8A8 lacks."""
@@ -328,13 +370,22 @@ class QuantizePass:
 
     @staticmethod
     def _check_exact(parts, w_kn: torch.Tensor, target: str) -> int:
-        """The checkpoint's blocks must dequantise to the float parameter bit for bit."""
-        dq = torch.cat([p.dequantize() for p in parts], 0)
-        ref = w_kn.t().to(torch.float32)
+        """The checkpoint's blocks must dequantise to the float parameter bit for bit (compared
+        :data:`_CHECK_ROWS` rows at a time: no fp32 copy of a whole table is made)."""
         if w_kn.dtype != torch.float32:
             return 0  # a bf16 model was rounded after dequantisation; nothing exact to compare
-        # value equality (Q4_0's d·(q−8) gives −0.0 where d·q − 8d gives +0.0; every other bit pattern is equal)
-        if dq.shape != ref.shape or not torch.equal(dq, ref):
-            raise PassError(f"quantize: the GGUF blocks of {target!r} do not dequantise to the captured weight "
-                            "(wrong tensor mapping or row permutation)")
+        ref = w_kn.t()  # [N, K]
+        if sum(p.codes.shape[0] for p in parts) != ref.shape[0] or any(p.codes.shape[1] != ref.shape[1] for p in parts):
+            raise PassError(f"quantize: the GGUF blocks of {target!r} have another shape than the captured weight "
+                            f"{tuple(ref.shape)} (wrong tensor mapping)")
+        row = 0
+        for p in parts:
+            n = p.codes.shape[0]
+            for lo in range(0, n, _CHECK_ROWS):
+                hi = min(n, lo + _CHECK_ROWS)
+                # value equality (Q4_0's d·(q−8) gives −0.0 where d·q − 8d gives +0.0; every other bit is equal)
+                if not torch.equal(p.dequantize(slice(lo, hi)), ref[row + lo:row + hi]):
+                    raise PassError(f"quantize: the GGUF blocks of {target!r} do not dequantise to the captured "
+                                    "weight (wrong tensor mapping or row permutation)")
+            row += n
         return 1

@@ -133,6 +133,10 @@ def test_k_quant_gguf_runs_on_its_blocks_and_matches_transformers(k_quant_gguf):
     assert info["kept"] == 1 and list(info["gguf_mixed"].values()) == ["Q4_K+Q4_K+Q6_K"], info
     assert "model.layers.0.self_attn.q_proj" in next(iter(info["gguf_mixed"]))
     assert info["gguf_skipped"] == {}
+    # the tied embedding's lookup reads the output projection's Q6_K tensors (fxc::embedding_w8): no fp32 table
+    assert info["embeddings"] == 1, info
+    assert sorted(k for k in llm._build.params if "lm_head" in k or "embed" in k) == [
+        "model.lm_head.weight.T.q", "model.lm_head.weight.T.scales"]
     prompts = ["The capital of France is", "def fibonacci(n):"]
     outs = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12,
                                                                                  ignore_eos=True))]

@@ -88,13 +88,14 @@ class NativeTensor:
     def group(self) -> int:
         return GROUP[self.gguf_type]
 
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.codes.shape
-        s = self.scales.repeat_interleave(self.group, dim=1)[:, :k]
-        q = self.codes.to(torch.float32)
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The fp32 values of ``rows`` (all by default; a slice keeps a check of a large table in small pieces)."""
+        k = self.codes.shape[1]
+        s = self.scales[rows].repeat_interleave(self.group, dim=1)[:, :k]
+        q = self.codes[rows].to(torch.float32)
         if self.mins is None:
             return q * s
-        return (q * s) + self.mins.repeat_interleave(self.group, dim=1)[:, :k]
+        return (q * s) + self.mins[rows].repeat_interleave(self.group, dim=1)[:, :k]
 
 
 @dataclass
