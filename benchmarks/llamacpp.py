@@ -66,7 +66,7 @@ ENGINES = {
     "q8_0": ("smollm2-q8_0.gguf", lambda: _w8a16(quantize_lm_head=True)),
     "q8_0-fphead": ("smollm2-q8_0.gguf", lambda: _w8a16()),
     "q4_1": (None, lambda: {"keep_gguf_quantization": True, "quantize_lm_head": True}),
-    "q4_1-fphead": (None, lambda: {"keep_gguf_quantization": True}),
+    "q4_1-fphead": (None, lambda: {"keep_gguf_quantization": True, "quantize_lm_head": False}),
 }
 
 

@@ -56,7 +56,7 @@ def llm_kwargs(scheme: str) -> dict:
         "fp32": {}, "bf16": {"auto_bfloat16_cast": True},
         "w8a32": q("W8A32"), "w8a16": q("W8A16"), "w8a8": q("W8A8"), "wf8a32": q("Wf8A32"), "wf8a16": q("Wf8A16"),
         "w4a32-g128": q("W4A32", quantization_group_size=128), "w4a16-g128": q("W4A16", quantization_group_size=128),
-        "native-q4_1": {"keep_gguf_quantization": True},
+        "native-q4_1": {"keep_gguf_quantization": True, "quantize_lm_head": False},  # float head (-q8head: the default)
         "kv8": {"kv_cache_dtype": "int8"}, "kvf8": {"kv_cache_dtype": "fp8"}, "w8a16-kvf8": q("W8A16KVf8"),
         "wf8af8": q("Wf8Af8"),
         "native-q4_1-q8head": {"keep_gguf_quantization": True, "quantize_lm_head": True},

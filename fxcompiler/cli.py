@@ -38,7 +38,9 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
                    help="int4: 32, 64 or 128 (default 128); int8: -1 per channel (default) or a divisor of K")
     q.add_argument("--keep-gguf-quantization", action="store_true",
                    help="run a GGUF (e.g. the embedded Q4_1 default) on its own Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks, not dequantised")
-    q.add_argument("--quantize-lm-head", action="store_true", help="also quantize lm_head (int8, Q8_0 from a GGUF)")
+    q.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
+                   help="also quantize lm_head (int8, Q8_0 from a GGUF); default: on the GGUF's own blocks with "
+                        "--keep-gguf-quantization, else float; --no-quantize-lm-head keeps it in float")
 
 
 def _quant_kwargs(args) -> dict:
@@ -247,7 +249,8 @@ def _scheme_text(q) -> str:
         parts.append(f"group {q['group_size']}")
     if q.get("gguf_sha256"):
         parts.append(f"GGUF blocks kept (sha256 {q['gguf_sha256']})")
-    parts.append("lm_head quantized" if q.get("lm_head") else "lm_head float")
+    parts.append({True: "lm_head quantized", "native": "lm_head on the GGUF's blocks"}.get(q.get("lm_head"),
+                                                                                          "lm_head float"))
     return ", ".join(parts)
 
 

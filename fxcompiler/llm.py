@@ -138,7 +138,7 @@ class LLM:
         enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)  # vLLM's name; on by default
         keep_gguf_quantization = kwargs.pop("keep_gguf_quantization", False)  # docs/quantization.md
         override_pooler_config = kwargs.pop("override_pooler_config", None)  # embedding models (docs/encoder-tasks.md)
-        quantize_lm_head = kwargs.pop("quantize_lm_head", False)
+        quantize_lm_head = kwargs.pop("quantize_lm_head", None)  # None: a kept GGUF's output on its own blocks
         quantization_group_size = kwargs.pop("quantization_group_size", None)
         from .kv_cache_quant import parse_kv_cache_dtype
 

@@ -10,7 +10,9 @@
   Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks are used as they are (exact); other tensors stay as transformers
   dequantised them. With a weight scheme as well, the matmuls without native blocks get that scheme.
 * ``quantize_lm_head=True``: the output projection is quantized too (int8, or the native blocks of a GGUF's
-  tied ``token_embd``), as llama.cpp does; it is kept in float by default.
+  tied ``token_embd``), as llama.cpp does. ``None`` (default): with ``keep_gguf_quantization`` the output runs
+  on the checkpoint's own blocks where they are natively readable (``lm_head: "native"``: exactly the
+  checkpoint's weights, never re-quantized), else it is kept in float; ``False`` keeps it in float.
 * ``qformat_path`` (+ ``qparam_path``): per-module schemes and, optionally, their scales
   (:mod:`fxcompiler.qformat`, :mod:`fxcompiler.qparam`), cross-checked against ``llm_config``;
 * ``quant_ckpt_file_path`` (or a model directory whose config.json has a ``quantization_config``):
@@ -74,7 +76,7 @@ def resolve_quant_checkpoint(model, quant_args: dict[str, Any], cache_dir) -> tu
 
 def quantization_options(quantization_config: QuantizationConfig | None, *, qformat_path=None, qparam_path=None,
                          quant_ckpt_file_path=None, keep_gguf_quantization: bool = False,
-                         quantize_lm_head: bool = False, group_size: int | None = None,
+                         quantize_lm_head: bool | None = None, group_size: int | None = None,
                          gguf_path: os.PathLike | None = None, model_config: Any = None, check_source: bool = True
                          ) -> tuple[dict[str, Any] | None, bool]:
     """``(options["quantization"] or None, auto_bfloat16_cast)`` for the given arguments
@@ -99,9 +101,10 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
 
         qformat = load_qformat(qformat_path)
         quantization_config = _cross_check(qformat.config, quantization_config, qformat.path)
-    for name, value in (("keep_gguf_quantization", keep_gguf_quantization), ("quantize_lm_head", quantize_lm_head)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be a bool, got {value!r}")
+    if not isinstance(keep_gguf_quantization, bool):
+        raise TypeError(f"keep_gguf_quantization must be a bool, got {keep_gguf_quantization!r}")
+    if quantize_lm_head is not None and not isinstance(quantize_lm_head, bool):
+        raise TypeError(f"quantize_lm_head must be a bool or None (the default), got {quantize_lm_head!r}")
     if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
                                    or not (group_size == -1 or (group_size > 0 and group_size % 2 == 0))):
         raise ValueError(f"quantization_group_size must be -1 (per channel) or a positive even int such as "
@@ -169,8 +172,8 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
         if not opts:
             raise ValueError("quantize_lm_head=True needs a weight quantization scheme or keep_gguf_quantization=True")
         opts["lm_head"] = True
-    elif opts:
-        opts["lm_head"] = False
+    elif opts:  # a kept GGUF's output on the tied table's own blocks unless quantize_lm_head=False
+        opts["lm_head"] = "native" if keep_gguf_quantization and quantize_lm_head is None else False
     if opts and quantization_config is not None:
         opts["scheme"] = str(quantization_config)
     elif opts:

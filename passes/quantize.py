@@ -21,9 +21,10 @@ the compile-cache key), absent or None = nothing to do:
   (recorded and checked, positive and finite; ``fxcompiler quantize`` has already folded them into the
   float weights it writes, :mod:`fxcompiler.smoothquant`);
 * ``symmetric`` (int4 only): Q4_0-style codes instead of Q4_1-style;
-* ``lm_head``: also quantize the output projection (the tied embedding's ``lm_head``) to int8 — per
-  channel, or the GGUF's own blocks of the embedding (Q8_0, Q6_K, Q4_K, ...), as llama.cpp computes it;
-  kept in float by default (it is the most sensitive matmul);
+* ``lm_head``: ``True``: also quantize the output projection (the tied embedding's ``lm_head``) to int8 —
+  per channel, or the GGUF's own blocks of the embedding (Q8_0, Q6_K, Q4_K, ...), as llama.cpp computes it;
+  ``"native"``: only from the GGUF's own blocks (exactly the checkpoint's weights), else kept; otherwise
+  kept in float (it is the most sensitive matmul);
 * ``gguf``: ``{"path": ..., "num_heads": H, "num_kv_heads": Hkv}``: use the GGUF's Q4_0/Q4_1/Q4_K
   (int4) and Q8_0/Q5_0/Q6_K (int8) blocks as they are (:mod:`fxcompiler.models.gguf_quant`) for every
   matmul whose parameters all have one of the same layout, and check that they dequantise bit-exactly
@@ -35,7 +36,11 @@ Ensures: each rewritten matmul (``+ bias``) computes ``x @ dequant(Wq)`` with fp
 order; with RTN the weight error per value is at most half a quantization step (scale/2; fp8: half an e4m3 ulp,
 ``max(|w|/16, scale/1024)``).
 Signature: each rewritten weight ``W`` becomes parameter inputs ``<W>.q``, ``<W>.scales`` (and
-``<W>.mins`` for int4; W8A8: ``<W>.q``, ``<W>.scales``, ``<W>.sums``); ``W`` is dropped unless something else reads it (a tied embedding's lookup).
+``<W>.mins`` for int4; W8A8: ``<W>.q``, ``<W>.scales``, ``<W>.sums``); ``W`` is dropped unless something else reads it.
+With ``gguf``, an ``aten.embedding`` of an fp32 table the GGUF holds natively (a tied ``token_embd``) becomes
+``fxc::embedding_w8`` / ``fxc::embedding_w4`` over the table's blocks in the linear layouts (the output
+projection's own tensors when it runs on them, else ``<table>.q`` ...), checked exact like the matmuls; no
+fp32 copy of a quantized table survives the pass.
 """
 from __future__ import annotations
 
@@ -216,9 +221,10 @@ class QuantizePass:
             idx, scheme = match_rule(mod, rules, None if head else default)
             if idx is not None:
                 matched.add(idx)
-            if scheme is None:  # the output projection: kept unless named (or lm_head=True)
-                scheme = {"weight": "int8", "group_size": -1, "symmetric": True} if cfg.get("lm_head") \
-                    else {"weight": "keep"}
+            if scheme is None:  # the output projection: kept unless named (or lm_head=True / "native")
+                lm_head = cfg.get("lm_head")
+                scheme = {"weight": "int8", "group_size": -1, "symmetric": True} if lm_head is True \
+                    else {"weight": "keep", "native_only": True} if lm_head == "native" else {"weight": "keep"}
             schemes.append(dict(scheme, head=head))
         if any({k: v for k, v in s.items() if k != "head"} != {k: v for k, v in schemes[0].items() if k != "head"}
                for s in schemes):
@@ -229,7 +235,7 @@ class QuantizePass:
     def _pack(self, gm, ctx, site, target, names, scheme, native, qparam, info, cfg):
         w_kn = ctx.param_of(site.w)
         head = scheme["head"]
-        if head and scheme["weight"] == "keep":
+        if head and scheme["weight"] == "keep" and not scheme.get("native_only"):
             return None
         from_ckpt = None
         if native is not None:

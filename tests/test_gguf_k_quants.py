@@ -124,10 +124,11 @@ def test_k_quant_gguf_runs_on_its_blocks_and_matches_transformers(k_quant_gguf):
     from fxcompiler.models.loader import model_directory
     from fxcompiler.models.sources import resolve_model_source
 
-    llm = LLM(str(k_quant_gguf), keep_gguf_quantization=True, quantize_lm_head=True, max_seq_len_to_capture=128,
+    llm = LLM(str(k_quant_gguf), keep_gguf_quantization=True, max_seq_len_to_capture=128,
               bucket_config=ManualBucketConfig([(1, 32)], [(1, 128)]))
     info = next(h for h in llm._build.context.history if h["pass"] == "quantize")
-    # layer 1's q/k/v, both o (Q5_0), gate/up (Q4_K) and down (Q6_K), and the lm_head from the Q6_K embedding
+    # layer 1's q/k/v, both o (Q5_0), gate/up (Q4_K) and down (Q6_K), and (the default) the lm_head from the Q6_K
+    # embedding
     assert info["native"] == 8 and info["exact_checked"] == 8, info
     assert info["ops"] == {"w8": 5, "w4": 3}, info
     assert info["kept"] == 1 and list(info["gguf_mixed"].values()) == ["Q4_K+Q4_K+Q6_K"], info
@@ -144,6 +145,30 @@ def test_k_quant_gguf_runs_on_its_blocks_and_matches_transformers(k_quant_gguf):
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
         _check_against_hf(hf, llm.tokenizer(prompt)["input_ids"], out)
+
+
+def test_float_head_keeps_the_embedding_in_its_blocks(k_quant_gguf):
+    """``quantize_lm_head=False``: the output projection stays in float (fxc::linear's packed copy), and the
+    embedding lookup still reads the Q6_K blocks, packed once for it (no fp32 table survives)."""
+    from transformers import AutoModelForCausalLM
+
+    from fxcompiler.models.loader import model_directory
+    from fxcompiler.models.sources import resolve_model_source
+
+    llm = LLM(str(k_quant_gguf), keep_gguf_quantization=True, quantize_lm_head=False, max_seq_len_to_capture=128,
+              bucket_config=ManualBucketConfig([(1, 32)], [(1, 128)]))
+    info = next(h for h in llm._build.context.history if h["pass"] == "quantize")
+    assert info["native"] == 7 and info["exact_checked"] == 8 and info["kept"] == 2 and info["embeddings"] == 1, info
+    params = llm._build.params
+    names = sorted(k for k in params if "lm_head" in k or "embed" in k)
+    assert names == ["model.lm_head.weight.T.packed", "model.lm_head.weight.q", "model.lm_head.weight.scales"], names
+    assert params["model.lm_head.weight.q"].dtype == torch.int8  # Q6_K codes, a scale per 16
+    vocab = llm.model_config.vocab_size
+    assert not any(t.dim() == 2 and t.shape[0] == vocab for t in params.values())
+    out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    path = model_directory(resolve_model_source(str(k_quant_gguf)), llm.cache_dir)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    _check_against_hf(hf, llm.tokenizer("The capital of France is")["input_ids"], out[0].outputs[0].token_ids)
 
 
 def test_dequantised_gguf_types_are_logged_with_the_reason(caplog):

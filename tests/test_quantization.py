@@ -93,6 +93,20 @@ def test_quantization_option_errors(tmp_path):
     assert opts["weight"] == "int4" and opts["group_size"] == 64 and not bf16 and opts["scheme"] == "W4A32"
 
 
+def test_lm_head_default_follows_keep_gguf_quantization():
+    """A kept GGUF's output projection runs on the tied table's own blocks by default (``"native"``: the
+    checkpoint's weights, never re-quantized); ``False`` keeps it in float; RTN schemes keep it in float."""
+    def head(**kw):
+        return quantization_options(None, check_source=False, **kw)[0]["lm_head"]
+
+    assert head(keep_gguf_quantization=True) == "native"
+    assert head(keep_gguf_quantization=True, quantize_lm_head=False) is False
+    assert head(keep_gguf_quantization=True, quantize_lm_head=True) is True
+    assert quantization_options(QuantizationConfig.w_i8_a_16())[0]["lm_head"] is False
+    with pytest.raises(TypeError, match="quantize_lm_head must be a bool or None"):
+        quantization_options(None, keep_gguf_quantization=True, quantize_lm_head="yes", check_source=False)
+
+
 def test_fp8_weight_schemes_are_built():
     """Wf8A16 / Wf8A32 (once NotImplementedError): fp8 weights, activations as the config says."""
     opts, bf16 = quantization_options(QuantizationConfig.from_str("Wf8A16"))
