@@ -171,12 +171,14 @@ def save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, str]
     return aliases
 
 
-def load_tensors(path: Path, aliases: dict[str, str], *, region: bool = False) -> dict[str, torch.Tensor]:
+def load_tensors(path: Path, aliases: dict[str, str], *, region: bool = False,
+                 mapped: bool = False) -> dict[str, torch.Tensor]:
     """The tensors of ``path`` with the alias names added; ``region``: read into one page-aligned
-    mapping (:mod:`fxcompiler.param_memory`) that the CPU backend backs with huge pages in place."""
+    mapping (:mod:`fxcompiler.param_memory`) that the CPU backend backs with huge pages in place;
+    ``mapped``: views of a private mapping of the (verified) file, read only when touched."""
     from .models.safetensors_reader import read_safetensors
 
-    out = read_safetensors(path, region=region)
+    out = read_safetensors(path, region=region, mapped=mapped)
     for name, target in aliases.items():
         if target not in out:
             raise ValueError(f"{path}: alias {name!r} points at missing tensor {target!r}")
@@ -232,7 +234,8 @@ def load_program(directory: Path, *, restore_meta: bool = True,
         graph_io.restore_meta(gm, meta["signature"])
     else:  # restored on demand by fxcompiler.build_cache.ensure_meta
         gm.meta["fxc_signature"] = meta["signature"]
-    params = load_tensors(directory / "params.safetensors", meta["param_aliases"], region=True)
+    params = load_tensors(directory / "params.safetensors", meta["param_aliases"], region=True,  # verified above
+                          mapped=os.environ.get("FXCOMPILER_MAP_PARAMS", "1") != "0")
     g = dict(meta["geometry"])
     g["dtype"] = getattr(torch, g["dtype"])
     ctx = CompileContext([InputSpec(*s) for s in meta["input_specs"]], params, ModelGeometry(**g),

@@ -138,6 +138,32 @@ def test_a_damaged_entry_is_rebuilt(llama, tmp_path):
     assert _llm(llama, tmp_path).build_info["compile_cache"] == "hit"
 
 
+def test_a_warm_start_maps_verified_parameters_and_a_flipped_byte_is_rebuilt(llama, tmp_path):
+    """A hit maps params.safetensors (read when first touched) after verifying its checksum; the engine's
+    background thread then moves it into anonymous memory. One byte changed in place (same size, so only the
+    sha256 can tell) is caught before the file is mapped: the entry is rebuilt."""
+    from backends.cpu import huge_pages
+    from fxcompiler import param_memory
+
+    first = _llm(llama, tmp_path)
+    expected = _tokens(first)
+    warm = _llm(llama, tmp_path)
+    assert warm.build_info["compile_cache"] == "hit"
+    regions = {param_memory.region_of(t) for t in warm._build.params.values()} - {None}
+    assert regions and huge_pages.wait(60)
+    assert not any(param_memory.region_of(t).file_backed for t in warm._build.params.values()
+                   if param_memory.region_of(t) is not None)
+    assert _tokens(warm) == expected
+    params = CompileCache(tmp_path).path(first.build_info["cache_key"]) / "params.safetensors"
+    data = bytearray(params.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    params.write_bytes(bytes(data))
+    again = _llm(llama, tmp_path)
+    assert again.build_info["compile_cache"] == "miss"
+    assert _tokens(again) == expected
+    assert _tokens(warm) == expected  # the running engine no longer reads the file
+
+
 @pytest.mark.parametrize("embed", [False, True])
 def test_graph_code_round_trip(embed):
     program = testing.capture_tiny_model(testing.TinyConfig("qwen2", 2, 32, 4, 2, 97, 48))

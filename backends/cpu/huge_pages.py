@@ -71,8 +71,17 @@ def place_in_huge_pages(params: dict[str, torch.Tensor], min_bytes: int = 1 << 2
     (every holder of it sees the new tensors; the old ones are freed when nothing else holds them);
     values, dtypes, shapes and strides are unchanged.  Entries that are the same tensor (tied
     weights) stay one tensor.  Returns the bytes copied (0 when huge pages are not available or
-    nothing qualifies).  With ``MADV_COLLAPSE`` the huge pages arrive in the background: :func:`wait`."""
+    nothing qualifies).  With ``MADV_COLLAPSE`` the huge pages arrive in the background: :func:`wait`.
+
+    A cached program's parameters come as a private mapping of their (verified) file
+    (:func:`fxcompiler.param_memory.map_file`): the background thread first moves each such region into
+    anonymous memory in place (:func:`fxcompiler.param_memory.make_anonymous`), also where nothing is
+    collapsed (huge pages off or unavailable, only small tensors), so no engine keeps reading its file."""
+    mapped = {r.address: r for t in params.values()
+              if isinstance(t, torch.Tensor) and (r := param_memory.region_of(t)) is not None and r.file_backed}
     if not available():
+        if mapped:
+            _start_collapse(list(mapped.values()), collapse=False)
         return 0
     collapse = _collapse_supported()
     chosen: dict[tuple, list[str]] = {}
@@ -104,6 +113,9 @@ def place_in_huge_pages(params: dict[str, torch.Tensor], min_bytes: int = 1 << 2
         _release_freed_heap()
     if collapse and resident:
         _start_collapse(list(resident.values()))
+    rest = [r for a, r in mapped.items() if not (collapse and a in resident)]
+    if rest:  # mapped regions of small tensors only, or the synchronous path (big tensors copied above)
+        _start_collapse(rest, collapse=False)
     return offset
 
 
@@ -116,20 +128,28 @@ _CHUNK = 32 << 20
 _threads: list[threading.Thread] = []
 
 
-def _start_collapse(regions: list[param_memory.Region]) -> None:
-    thread = threading.Thread(target=_collapse, args=(regions,), name="fxcompiler-huge-pages", daemon=True)
+def _start_collapse(regions: list[param_memory.Region], collapse: bool = True) -> None:
+    thread = threading.Thread(target=_collapse, args=(regions, collapse), name="fxcompiler-huge-pages",
+                              daemon=True)
     _threads.append(thread)
     thread.start()
 
 
-def _collapse(regions: list[param_memory.Region]) -> None:
-    """Advise each region ``MADV_HUGEPAGE`` and collapse it into huge pages (holds the mappings meanwhile)."""
+def _collapse(regions: list[param_memory.Region], collapse: bool = True) -> None:
+    """Advise each region ``MADV_HUGEPAGE`` and collapse it into huge pages (holds the mappings meanwhile);
+    a file-backed region is made anonymous first (only that, with ``collapse=False``)."""
+    if not collapse:
+        for region in regions:
+            param_memory.make_anonymous(region)
+        return
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     except OSError:
         return
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for region in regions:
+        if region.file_backed and not param_memory.make_anonymous(region):  # a cached program's mapped file
+            continue  # no mremap here: it stays a file mapping (4 KiB pages)
         libc.madvise(region.address, region.nbytes, mmap.MADV_HUGEPAGE)  # later faults / khugepaged: huge too
         first = -(-region.address // _HUGE) * _HUGE  # pieces on huge-page boundaries: a piece that holds no
         end = region.address + region.nbytes        # whole aligned 2 MiB page collapses nothing

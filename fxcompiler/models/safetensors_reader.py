@@ -8,6 +8,11 @@ memory near one copy of the model instead of two.
 With ``region=True`` every tensor is read straight into one page-aligned anonymous mapping
 (:mod:`fxcompiler.param_memory`, each tensor on its own 4 KiB boundary): a cached program's
 parameters, which the CPU backend then backs with huge pages in place instead of copying.
+
+With ``mapped=True`` nothing is read: the tensors are views of a private copy-on-write mapping of the
+whole file (:func:`fxcompiler.param_memory.map_file`; a cached program's parameters, whose checksum the
+caller has verified), which :func:`fxcompiler.param_memory.make_anonymous` later moves into anonymous
+memory in place. A file whose tensors are not aligned to their element size is read instead.
 """
 from __future__ import annotations
 
@@ -24,9 +29,10 @@ _DTYPES = {
 }
 
 
-def read_safetensors(path: str | os.PathLike, *, region: bool = False) -> dict[str, torch.Tensor]:
+def read_safetensors(path: str | os.PathLike, *, region: bool = False, mapped: bool = False) -> dict[str, torch.Tensor]:
     """All tensors of one file; raises ``ValueError`` naming the file if it is truncated or malformed.
-    ``region``: the tensors are views of one anonymous mapping (see the module doc)."""
+    ``region``: the tensors are views of one anonymous mapping; ``mapped``: of a private mapping of the
+    file itself (see the module doc)."""
     out: dict[str, torch.Tensor] = {}
     size = os.path.getsize(path)
     with open(path, "rb", buffering=0 if region else -1) as f:
@@ -45,6 +51,14 @@ def read_safetensors(path: str | os.PathLike, *, region: bool = False) -> dict[s
             start, end = info["data_offsets"]
             if any(int(d) < 0 for d in info["shape"]) or end - start != _nbytes(info) or base + end > size:
                 raise ValueError(f"{path}: tensor {name!r} is truncated or has inconsistent offsets")
+        if mapped and all((base + info["data_offsets"][0]) % _DTYPES[info["dtype"]].itemsize == 0
+                          for _, info in entries):
+            from ..param_memory import map_file
+
+            _, whole = map_file(path)
+            return {name: whole[base + info["data_offsets"][0]:base + info["data_offsets"][1]]
+                    .view(_DTYPES[info["dtype"]]).view(info["shape"]) for name, info in entries}
+        region = region or mapped
         pool, offset = None, 0
         if region:
             from ..param_memory import aligned, allocate

@@ -109,3 +109,49 @@ def test_nothing_large_enough_moves_nothing():
     same = dict(params)
     assert huge_pages.place_in_huge_pages(params) == 0
     assert all(params[k] is same[k] for k in params)
+
+
+def _mapped_params(tmp_path):
+    from safetensors.torch import save_file
+
+    from fxcompiler.models.safetensors_reader import read_safetensors
+
+    ref = {"w": torch.randn(2048, 1024), "b": torch.randn(3), "h": torch.randn(1536, 1024).to(torch.bfloat16)}
+    save_file(ref, str(tmp_path / "p.safetensors"))
+    return ref, read_safetensors(tmp_path / "p.safetensors", mapped=True)
+
+
+def test_mapped_parameters_are_made_anonymous_then_collapsed_in_place(tmp_path):
+    """A cached program's params.safetensors is mapped (nothing read at start-up); the background thread moves
+    it into anonymous memory at the same addresses and collapses that: no copy on the caller's thread."""
+    if not huge_pages.available() or not huge_pages._collapse_supported():
+        pytest.skip("needs transparent huge pages and MADV_COLLAPSE (Linux 6.1+)")
+    from fxcompiler import param_memory
+
+    ref, params = _mapped_params(tmp_path)
+    assert param_memory.region_of(params["w"]).file_backed
+    ptrs = {k: v.data_ptr() for k, v in params.items()}
+    assert huge_pages.place_in_huge_pages(params) == 0          # nothing copied here
+    assert huge_pages.wait(60)
+    assert {k: v.data_ptr() for k, v in params.items()} == ptrs
+    assert not param_memory.region_of(params["w"]).file_backed
+    assert _huge_bytes_at(params["w"].data_ptr()) >= 2 << 20
+    for k in ref:
+        assert torch.equal(params[k], ref[k]), k
+
+
+@pytest.mark.parametrize("setting", ["0", "sync"])
+def test_mapped_parameters_are_made_anonymous_without_collapse(tmp_path, monkeypatch, setting):
+    """Huge pages off (or the synchronous path, which copies the large tensors): the mapped region is still
+    moved off its file in the background."""
+    from fxcompiler import param_memory
+
+    monkeypatch.setenv("FXCOMPILER_HUGE_PAGES", setting)
+    ref, params = _mapped_params(tmp_path)
+    region = param_memory.region_of(params["b"])
+    huge_pages.place_in_huge_pages(params)
+    assert huge_pages.wait(60)
+    assert param_memory.region_of(params["b"]) is not None and not param_memory.region_of(params["b"]).file_backed
+    assert region.address == param_memory.region_of(params["b"]).address
+    for k in ref:
+        assert torch.equal(params[k], ref[k]), k
