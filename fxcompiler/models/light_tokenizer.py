@@ -182,13 +182,19 @@ class LightTokenizer:
     def apply_chat_template(self, conversation: Any, tools: Any = None, documents: Any = None,
                             chat_template: str | None = None, add_generation_prompt: bool = False,
                             continue_final_message: bool | str = False, tokenize: bool = True, **kwargs) -> Any:
-        """The rendered chat (``tokenize=False``) with transformers' own renderer; other uses (token ids,
-        masks, sanitised control tokens, named templates) by the transformers tokenizer."""
+        """The rendered chat (``tokenize=False``) with jinja2 alone where :mod:`.chat_template` serves the call,
+        else with transformers' own renderer; other uses (token ids, masks, sanitised control tokens, named
+        templates) by the transformers tokenizer."""
+        from . import chat_template as jinja_only
+
         passthrough = ("sanitize_control_tokens", "padding", "truncation", "max_length", "return_tensors",
                        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs")
         template = chat_template if chat_template is not None else self._meta.get("chat_template")
-        renderer = _renderer() if not tokenize else None
-        if (tokenize or renderer is None or any(kwargs.get(k) for k in passthrough) or not isinstance(template, str)
+        own = not tokenize and jinja_only.supported(template, tools, documents,
+                                                    continue_final_message=continue_final_message)
+        renderer = _renderer() if not tokenize and not own else None
+        if (tokenize or (renderer is None and not own) or any(kwargs.get(k) for k in passthrough)
+                or not isinstance(template, str)
                 or not isinstance(self._meta.get("chat_template"), str)  # none, or named templates (a dict)
                 or (continue_final_message and add_generation_prompt)
                 or not isinstance(conversation, (list, tuple)) or not conversation):
@@ -197,13 +203,18 @@ class LightTokenizer:
                 add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
                 tokenize=tokenize, **kwargs)
         kwargs = {k: v for k, v in kwargs.items() if k not in passthrough}
-        normalize, render = renderer
         batched = isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages")
+        variables = {**self._meta.get("special_tokens_map", {}), **kwargs}
+        if own:
+            conversations = [jinja_only.normalize_messages(c) for c in (conversation if batched else [conversation])]
+            rendered = jinja_only.render(conversations, chat_template=template, tools=tools, documents=documents,
+                                         add_generation_prompt=add_generation_prompt, **variables)
+            return rendered if batched else rendered[0]
+        normalize, render = renderer
         conversations = [normalize(c) for c in (conversation if batched else [conversation])]
         rendered, _ = render(conversations=conversations, tools=tools, documents=documents, chat_template=template,
                              return_assistant_tokens_mask=False, continue_final_message=continue_final_message,
-                             add_generation_prompt=add_generation_prompt,
-                             **{**self._meta.get("special_tokens_map", {}), **kwargs})
+                             add_generation_prompt=add_generation_prompt, **variables)
         return rendered if batched else rendered[0]
 
 

@@ -266,6 +266,7 @@ def test_warm_path_imports_no_transformers(both, smol_dir):
             f"info, tok = load_model_and_tokenizer(resolve_model_source({str(smol_dir)!r}), cache_dir={str(cache)!r})\n"
             "assert type(tok).__name__ == 'LightTokenizer'\n"
             "tok.decode(tok('héllo <|im_end|>')['input_ids'], skip_special_tokens=True)\n"
+            "tok.apply_chat_template([{'role': 'user', 'content': 'hi'}], tokenize=False, add_generation_prompt=True)\n"
             "assert 'transformers' not in sys.modules, sorted(m for m in sys.modules if 'transformers' in m)[:5]\n")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True)
