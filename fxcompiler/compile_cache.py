@@ -279,6 +279,10 @@ class CompileCache:
 
     def store(self, key: str, gm: torch.fx.GraphModule, ctx: CompileContext, extra: dict | None = None) -> None:
         write_entry(self.path(key), lambda tmp: save_program(tmp, gm, ctx, extra), self.WHAT)
+        stamps = stamp_store(self.cache_dir)
+        entry = self.path(key)
+        if stamps is not None and (entry / "checksums.json").is_file():  # the next start then hashes nothing
+            stamps.settle(sorted(f for f in entry.iterdir() if f.is_file() and f.name != "checksums.json"))
 
 
 def write_entry(entry: Path, write: Callable[[Path], None], what: str) -> None:

@@ -92,6 +92,30 @@ class StampStore:
         return digest
 
 
+    def settle(self, paths: list[Path]) -> "threading.Thread":
+        """Stamp freshly written files in a daemon thread, each once it is old enough (``_STAMP_MIN_AGE_NS``
+        after its ctime), by hashing it then: the process that wrote a cache entry records the stamps, so the
+        first start that reads the entry does not hash it (757 MB of parameters: ~0.85 s). A file changed
+        meanwhile is stamped with what it holds then, as any later verification would; a process that exits
+        first leaves the stamping to the next reader."""
+        import threading
+        import time
+
+        def run() -> None:
+            for path in paths:
+                try:
+                    wait = _STAMP_MIN_AGE_NS - (time.time_ns() - os.stat(path, follow_symlinks=False).st_ctime_ns)
+                    if wait > 0:
+                        time.sleep(wait / 1e9 + 0.01)
+                    self.sha256(path)
+                except OSError:
+                    continue
+
+        thread = threading.Thread(target=run, name="fxcompiler-stamps", daemon=True)
+        thread.start()
+        return thread
+
+
 def stamp_store(cache_dir: str | os.PathLike | None) -> StampStore | None:
     """The :class:`StampStore` of ``cache_dir`` (``cache_dir/verified``), or None where stamps must not
     be trusted: no cache folder, ``FXCOMPILER_TRUST_CACHE_DIR=1`` (a folder others may write to),

@@ -138,14 +138,20 @@ def test_a_damaged_entry_is_rebuilt(llama, tmp_path):
     assert _llm(llama, tmp_path).build_info["compile_cache"] == "hit"
 
 
-def test_a_warm_start_maps_verified_parameters_and_a_flipped_byte_is_rebuilt(llama, tmp_path):
+def test_a_warm_start_maps_verified_parameters_and_a_flipped_byte_is_rebuilt(llama, tmp_path, monkeypatch):
     """A hit maps params.safetensors (read when first touched) after verifying its checksum; the engine's
     background thread then moves it into anonymous memory. One byte changed in place (same size, so only the
-    sha256 can tell) is caught before the file is mapped: the entry is rebuilt."""
+    sha256 can tell) is caught before the file is mapped: the entry is rebuilt. The writer of an entry has its
+    files stamped (hashed once old enough), so the first warm start need not hash them."""
     from backends.cpu import huge_pages
-    from fxcompiler import param_memory
+    from fxcompiler import integrity, param_memory
 
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR", raising=False)
+    settled = []
+    real_settle = integrity.StampStore.settle
+    monkeypatch.setattr(integrity.StampStore, "settle", lambda self, paths: settled.extend(paths) or real_settle(self, paths))
     first = _llm(llama, tmp_path)
+    assert CompileCache(tmp_path).path(first.build_info["cache_key"]) / "params.safetensors" in settled
     expected = _tokens(first)
     warm = _llm(llama, tmp_path)
     assert warm.build_info["compile_cache"] == "hit"

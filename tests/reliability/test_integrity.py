@@ -204,3 +204,27 @@ def test_no_stamps_for_shared_or_untrusted_cache_folders(tmp_path, monkeypatch):
     monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR")
     monkeypatch.setenv("FXCOMPILER_VERIFY_STAMPS", "0")
     assert stamp_store(private) is None
+
+
+def test_settle_stamps_fresh_files_once_they_are_old_enough(tmp_path, monkeypatch):
+    """The writer of an entry stamps its files in the background after the minimum age, so the first reader
+    hashes nothing; a file modified afterwards is still hashed and refused."""
+    from fxcompiler import integrity
+
+    monkeypatch.delenv("FXCOMPILER_TRUST_CACHE_DIR", raising=False)
+    monkeypatch.setattr(integrity, "_STAMP_MIN_AGE_NS", 300_000_000)
+    cache = check_private_dir(tmp_path / "cache")
+    e = _entry(cache)
+    stamps = integrity.stamp_store(cache)
+    files = [e / "graph.py", e / "graphs" / "b.bin"]
+    thread = stamps.settle(files)
+    thread.join(30)
+    assert not thread.is_alive()
+    calls = _counting_hash(monkeypatch)
+    verify_checksums(e, stamps=stamps)
+    assert calls == []  # stamped by the writer's thread
+    with open(files[1], "r+b") as fh:
+        fh.write(b"\x01")
+    with pytest.raises(IntegrityError, match="sha256 differs"):
+        verify_checksums(e, stamps=stamps)
+    assert calls == [os.fspath(files[1])]
