@@ -121,3 +121,18 @@ def test_a_truncated_file_is_refused_before_mapping(tmp_path):
     path.write_bytes(path.read_bytes()[:-100])
     with pytest.raises(ValueError, match="truncated or has inconsistent offsets"):
         read_safetensors(path, mapped=True)
+
+
+def test_a_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch):
+    """A file system without mmap must not make a valid cache entry unreadable (it would be rebuilt every start)."""
+    path = tmp_path / "p.safetensors"
+    ref = {"w": torch.randn(300, 7)}
+    save_file(ref, str(path))
+
+    def no_mmap(_path):
+        raise OSError(19, "No such device")
+
+    monkeypatch.setattr(param_memory, "map_file", no_mmap)
+    got = read_safetensors(path, mapped=True)
+    assert torch.equal(got["w"], ref["w"])
+    assert not param_memory.region_of(got["w"]).file_backed

@@ -55,9 +55,13 @@ def read_safetensors(path: str | os.PathLike, *, region: bool = False, mapped: b
                           for _, info in entries):
             from ..param_memory import map_file
 
-            _, whole = map_file(path)
-            return {name: whole[base + info["data_offsets"][0]:base + info["data_offsets"][1]]
-                    .view(_DTYPES[info["dtype"]]).view(info["shape"]) for name, info in entries}
+            try:
+                _, whole = map_file(path)
+            except (OSError, ValueError):  # a file system without mmap: read it instead
+                whole = None
+            if whole is not None:
+                return {name: whole[base + info["data_offsets"][0]:base + info["data_offsets"][1]]
+                        .view(_DTYPES[info["dtype"]]).view(info["shape"]) for name, info in entries}
         region = region or mapped
         pool, offset = None, 0
         if region:
