@@ -180,7 +180,7 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
     key = request.cache_key(device) if enabled and cache_dir is not None and instruments is None else None
     cache = CompileCache(cache_dir) if key is not None else None
     if cache is not None:
-        hit = cache.load(key, restore_meta=False)  # build() restores meta only if it must build
+        hit = cache.load(key, restore_meta=False, lazy_graph=True)  # build() traces and restores meta if it builds
         if hit is not None:
             gm, ctx = hit
             ctx.options = {**request.options, **pass_services(device)}
@@ -276,6 +276,7 @@ def _build_fx(program: tuple[torch.fx.GraphModule, CompileContext], model_name: 
               block_size: int, device: torch.device, options: dict[str, Any], cache_dir, program_key: str | None,
               workers: int = 1) -> BuildResult:
     """The fx pipelines of every bucket: from the build cache, else built (and stored there)."""
+    from . import graph_io
     from .build_cache import BuildCache, build_key
 
     gm, ctx = program
@@ -288,6 +289,7 @@ def _build_fx(program: tuple[torch.fx.GraphModule, CompileContext], model_name: 
         if pipelines is not None:
             log.info("build cache hit %s (%.2fs)", key, time.perf_counter() - t0)
             return BuildResult(pipelines, gm, ctx, time.perf_counter() - t0, {}, None, build_cache="hit")
+    gm = graph_io.materialize(gm)  # a compile-cache hit defers the program's graph until something builds from it
     ensure_meta(gm)
     result = build_pipelines(None, buckets, model_name, kind="fx", device=str(device), block_size=block_size,
                              options=options, optimised=(gm, ctx), workers=workers)

@@ -213,27 +213,34 @@ def save_program(directory: Path, gm: torch.fx.GraphModule, ctx: CompileContext,
     write_checksums(directory)
 
 
-def load_program(directory: Path, *, restore_meta: bool = True,
-                 stamps: StampStore | None = None) -> tuple[torch.fx.GraphModule, CompileContext]:
+def load_program(directory: Path, *, restore_meta: bool = True, stamps: StampStore | None = None,
+                 lazy_graph: bool = False) -> tuple[torch.fx.GraphModule, CompileContext]:
     """Read back what :func:`save_program` wrote. ``meta['val']`` is re-derived by fake propagation
     (seconds for a real model) unless ``restore_meta=False``, which leaves the placeholder
     signature in ``gm.meta['fxc_signature']`` for :func:`fxcompiler.build_cache.ensure_meta`.
-    ``stamps``: files hashed before and unchanged since are not hashed again (:class:`StampStore`)."""
+    ``stamps``: files hashed before and unchanged since are not hashed again (:class:`StampStore`).
+    ``lazy_graph`` (with ``restore_meta=False``): the graph is a :class:`~fxcompiler.graph_io.DeferredGraphModule`,
+    built from the verified source held in memory when first used (a build-cache hit never uses it)."""
     verify_checksums(directory, exclude=("builds/", ".tmp-"), stamps=stamps)  # verify, then execute (graph.py is code)
     meta = json.loads((directory / "program.json").read_text())
     if meta.get("schema") != CACHE_SCHEMA_VERSION:
         raise ValueError(f"{directory}: program schema {meta.get('schema')} != {CACHE_SCHEMA_VERSION}")
-    constants = load_tensors(directory / "constants.safetensors", meta["constant_aliases"]) if meta["constants"] else {}
-    gm = graph_io.load_graph_module((directory / "graph.py").read_text(), constants,
-                                    node_names=meta.get("node_names"))
-    if "fxc_constants" in meta["graph_meta"]:
-        gm.meta["fxc_constants"] = dict(meta["graph_meta"]["fxc_constants"])  # attribute -> parameter FQN
     if meta["signature"] is None:
         raise ValueError(f"{directory}: the program has no placeholder signature to restore shapes from")
-    if restore_meta:
-        graph_io.restore_meta(gm, meta["signature"])
-    else:  # restored on demand by fxcompiler.build_cache.ensure_meta
-        gm.meta["fxc_signature"] = meta["signature"]
+    constants = load_tensors(directory / "constants.safetensors", meta["constant_aliases"]) if meta["constants"] else {}
+    source = (directory / "graph.py").read_text()  # the verified bytes: a deferred build never reads the file again
+
+    def graph() -> torch.fx.GraphModule:
+        gm = graph_io.load_graph_module(source, constants, node_names=meta.get("node_names"))
+        if "fxc_constants" in meta["graph_meta"]:
+            gm.meta["fxc_constants"] = dict(meta["graph_meta"]["fxc_constants"])  # attribute -> parameter FQN
+        if restore_meta:
+            graph_io.restore_meta(gm, meta["signature"])
+        else:  # restored on demand by fxcompiler.build_cache.ensure_meta
+            gm.meta["fxc_signature"] = meta["signature"]
+        return gm
+
+    gm = graph_io.DeferredGraphModule(graph) if lazy_graph and not restore_meta else graph()
     params = load_tensors(directory / "params.safetensors", meta["param_aliases"], region=True,  # verified above
                           mapped=os.environ.get("FXCOMPILER_MAP_PARAMS", "1") != "0")
     g = dict(meta["geometry"])
@@ -256,7 +263,8 @@ class CompileCache:
     def path(self, key: str) -> Path:
         return self.root / key
 
-    def load(self, key: str, *, restore_meta: bool = True) -> tuple[torch.fx.GraphModule, CompileContext] | None:
+    def load(self, key: str, *, restore_meta: bool = True,
+             lazy_graph: bool = False) -> tuple[torch.fx.GraphModule, CompileContext] | None:
         entry = self.path(key)
         from .integrity import remove_stale_temps
 
@@ -269,7 +277,8 @@ class CompileCache:
         t0 = time.perf_counter()
         try:
             with gc_paused() if not restore_meta else contextlib.nullcontext():  # fake propagation makes garbage
-                program = load_program(entry, restore_meta=restore_meta, stamps=stamp_store(self.cache_dir))
+                program = load_program(entry, restore_meta=restore_meta, stamps=stamp_store(self.cache_dir),
+                                       lazy_graph=lazy_graph)
         except Exception as exc:  # noqa: BLE001 - a damaged entry is rebuilt, never trusted
             log.warning("%s entry %s is unreadable (%s); rebuilding it", self.WHAT, entry, exc)
             shutil.rmtree(entry, ignore_errors=True)

@@ -62,6 +62,16 @@ def test_second_build_hits_and_generates_the_same(llama, tmp_path, monkeypatch):
     assert [p.to_dict() for p in second.pipelines] == [p.to_dict() for p in first.pipelines]
     assert _tokens(second) == expected
     assert [h["pass"] for h in second.pass_history] == [h["pass"] for h in first.pass_history]
+    from fxcompiler.graph_io import DeferredGraphModule
+
+    deferred = second._build.graph_module  # the program's graph: never traced, the pipelines came from the cache
+    assert isinstance(deferred, DeferredGraphModule) and deferred.__dict__["_gm"] is None
+    monkeypatch.undo()
+    def ops(gm):
+        return [(n.op, str(n.target)) for n in gm.graph.nodes]
+
+    assert ops(deferred.materialize()) == ops(first._build.graph_module)
+    assert deferred.meta["fxc_signature"] and deferred.graph is deferred.materialize().graph
 
 
 def test_other_buckets_reuse_the_program_but_build_their_pipelines(llama, tmp_path):
