@@ -136,3 +136,30 @@ def test_a_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch):
     got = read_safetensors(path, mapped=True)
     assert torch.equal(got["w"], ref["w"])
     assert not param_memory.region_of(got["w"]).file_backed
+
+
+def test_readers_during_the_move_always_see_the_same_bytes(tmp_path):
+    """The engine keeps stepping while the background thread moves the region: every read during the move
+    (several 32 MiB pieces mremapped under it) gives the file's values, and nothing faults."""
+    import threading
+
+    path = tmp_path / "p.safetensors"
+    ref = torch.randn(3, 24 << 20 >> 2)  # 72 MiB: three pieces
+    save_file({"w": ref}, str(path))
+    w = read_safetensors(path, mapped=True)["w"]
+    expected = [float(r.sum()) for r in ref]
+    seen, stop = [], threading.Event()
+
+    def read():
+        while not stop.is_set():
+            seen.append([float(r.sum()) for r in w])
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    try:
+        assert param_memory.make_anonymous(param_memory.region_of(w))
+    finally:
+        stop.set()
+        reader.join()
+    assert seen and all(s == expected for s in seen)
+    assert torch.equal(w, ref)
