@@ -96,8 +96,10 @@ class StampStore:
         """Stamp freshly written files in a daemon thread, each once it is old enough (``_STAMP_MIN_AGE_NS``
         after its ctime), by hashing it then: the process that wrote a cache entry records the stamps, so the
         first start that reads the entry does not hash it (757 MB of parameters: ~0.85 s). A file changed
-        meanwhile is stamped with what it holds then, as any later verification would; a process that exits
-        first leaves the stamping to the next reader."""
+        meanwhile is stamped with what it holds then, as any later verification would. A process that ends
+        first waits for it at exit, at most ``_SETTLE_EXIT_WAIT_S`` in all (a build is tens of seconds; the
+        wait spares the next start its hashing); past that the next reader stamps them."""
+        import atexit
         import threading
         import time
 
@@ -113,7 +115,23 @@ class StampStore:
 
         thread = threading.Thread(target=run, name="fxcompiler-stamps", daemon=True)
         thread.start()
+        if not _settling:
+            atexit.register(_finish_settling)
+        _settling.append(thread)
         return thread
+
+
+_SETTLE_EXIT_WAIT_S = 5.0
+_settling: list = []  # StampStore.settle threads of this process
+
+
+def _finish_settling() -> None:
+    """At exit: give the stamping threads up to ``_SETTLE_EXIT_WAIT_S`` seconds in all to finish."""
+    import time
+
+    deadline = time.monotonic() + _SETTLE_EXIT_WAIT_S
+    for thread in _settling:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def stamp_store(cache_dir: str | os.PathLike | None) -> StampStore | None:

@@ -228,3 +228,26 @@ def test_settle_stamps_fresh_files_once_they_are_old_enough(tmp_path, monkeypatc
     with pytest.raises(IntegrityError, match="sha256 differs"):
         verify_checksums(e, stamps=stamps)
     assert calls == [os.fspath(files[1])]
+
+
+def test_a_process_that_writes_an_entry_then_exits_leaves_it_stamped(tmp_path):
+    """The writer ends right after storing (a one-shot CLI run after a cold build): it waits, boundedly, for
+    the stamping thread at exit, so the next start hashes nothing."""
+    import subprocess
+    import sys
+    import textwrap
+
+    cache = check_private_dir(tmp_path / "cache")
+    e = _entry(cache)
+    code = textwrap.dedent(f"""
+        from pathlib import Path
+        from fxcompiler import integrity
+        stamps = integrity.stamp_store({str(cache)!r})
+        stamps.settle([Path({str(e / 'graph.py')!r})])
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "FXCOMPILER_TRUST_CACHE_DIR"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from fxcompiler.integrity import stamp_store
+
+    assert any(p.is_file() for p in stamp_store(cache).directory.iterdir())  # written by the exited process
