@@ -92,8 +92,9 @@ class StampStore:
         return digest
 
 
-    def settle(self, paths: list[Path]) -> "threading.Thread":
-        """Stamp freshly written files in a daemon thread, each once it is old enough (``_STAMP_MIN_AGE_NS``
+    def settle(self, paths: list[Path], min_bytes: int = 64 << 20) -> "threading.Thread | None":
+        """Stamp freshly written files of at least ``min_bytes`` (smaller ones cost the next start little to
+        hash) in a daemon thread, each once it is old enough (``_STAMP_MIN_AGE_NS``
         after its ctime), by hashing it then: the process that wrote a cache entry records the stamps, so the
         first start that reads the entry does not hash it (757 MB of parameters: ~0.85 s). A file changed
         meanwhile is stamped with what it holds then, as any later verification would. A process that ends
@@ -102,6 +103,10 @@ class StampStore:
         import atexit
         import threading
         import time
+
+        paths = [p for p in paths if os.path.isfile(p) and os.path.getsize(p) >= min_bytes]
+        if not paths:
+            return None
 
         def run() -> None:
             for path in paths:
