@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGN", "Region", "aligned", "allocate", "make_anonymous", "map_file", "region_of"]
+__all__ = ["ALIGN", "Region", "aligned", "allocate", "make_anonymous", "map_file", "region_of", "trim_heap"]
 
 ALIGN = 4096  # every tensor starts on its own page (kernels load vectors unaligned anyway)
 
@@ -170,3 +170,21 @@ def region_of(t: torch.Tensor) -> Region | None:
                     return None
                 return Region(address, size, mapping, file_backed=address in _file_backed)
     return None
+
+
+_malloc_trim = None
+
+
+def trim_heap() -> None:
+    """Hand the heap pages freed so far back to the OS (glibc's ``malloc_trim(0)``; a no-op elsewhere).
+
+    glibc keeps freed chunks below its adaptive mmap threshold mapped, so weights a build replaced
+    (transposed, fused, repacked) stay resident beside their replacements until a trim: a few ms."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)

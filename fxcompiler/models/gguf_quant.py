@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -100,11 +101,32 @@ class NativeTensor:
 
 @dataclass
 class NativeWeights:
-    """The natively readable tensors of a GGUF, by transformers parameter name."""
+    """The natively readable tensors of a GGUF, by transformers parameter name (:func:`read_native`: decoded
+    from the file's mapped bytes on each access, nothing kept)."""
 
     path: str
-    tensors: dict[str, NativeTensor] = field(default_factory=dict)
+    tensors: Mapping[str, NativeTensor] = field(default_factory=dict)
     skipped: dict[str, str] = field(default_factory=dict)  # gguf name -> reason
+
+
+class _DecodedOnAccess(Mapping):
+    """transformers name -> :class:`NativeTensor`, decoded when looked up and not cached: a build holds one
+    tensor's codes (1 byte a value) while it packs it, never the whole model's at once (SmolLM2: 170 MiB)."""
+
+    def __init__(self, entries: dict[str, tuple], num_heads: int | None, num_kv_heads: int | None, arch: str):
+        self._entries, self._heads, self._arch = entries, (num_heads, num_kv_heads), arch
+
+    def __getitem__(self, name: str) -> NativeTensor:
+        return _decode_tensor(*self._entries[name], *self._heads, self._arch)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._entries)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
 
 
 def _fp16(raw: np.ndarray) -> torch.Tensor:
@@ -189,13 +211,15 @@ def _reverse_permutation(rows: int, n_head: int) -> torch.Tensor:
 def read_native(path: str | os.PathLike, num_heads: int | None = None, num_kv_heads: int | None = None
                 ) -> NativeWeights:
     """Every natively readable tensor (:data:`SUPPORTED_TYPES`) of a llama-family GGUF, decoded (not dequantised), rows in
-    transformers' order. ``num_heads``/``num_kv_heads`` (the config's) drive the q/k un-permutation."""
+    transformers' order. ``num_heads``/``num_kv_heads`` (the config's) drive the q/k un-permutation. The header
+    is read now; each tensor's blocks are decoded when ``tensors[name]`` is looked up (the file stays mapped)."""
     import gguf
 
     reader = gguf.GGUFReader(os.fspath(path))
     arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8") \
         if "general.architecture" in reader.fields else "llama"
     out = NativeWeights(os.fspath(path))
+    entries: dict[str, tuple] = {}
     for t in reader.tensors:
         qtype = t.tensor_type.name
         hf = gguf_to_hf_name(t.name)
@@ -206,14 +230,21 @@ def read_native(path: str | os.PathLike, num_heads: int | None = None, num_kv_he
         if hf is None:
             out.skipped[t.name] = "no transformers parameter name for this GGUF tensor"
             continue
-        k = int(t.shape[0])  # GGUF shapes are [K, N] (ne0 first)
-        codes, scales, mins = decode_blocks(t.data, qtype, k)
-        if arch == "llama" and num_heads and num_kv_heads:
-            heads = num_heads if ".attn_q." in t.name else num_kv_heads if ".attn_k." in t.name else None
-            if heads:
-                perm = _reverse_permutation(codes.shape[0], heads)
-                codes, scales = codes[perm], scales[perm]
-                mins = None if mins is None else mins[perm]
-        out.tensors[hf] = NativeTensor(t.name, qtype, codes.contiguous(), scales.contiguous(),
-                                       None if mins is None else mins.contiguous())
+        entries[hf] = (t.name, qtype, int(t.shape[0]), t.data)  # GGUF shapes are [K, N] (ne0 first)
+    reader.fields.clear()  # the vocabulary's ~10^5 small arrays: freed now, not interleaved with the build's objects
+    out.tensors = _DecodedOnAccess(entries, num_heads, num_kv_heads, arch)
     return out
+
+
+def _decode_tensor(name: str, qtype: str, k: int, data: np.ndarray, num_heads: int | None, num_kv_heads: int | None,
+                   arch: str) -> NativeTensor:
+    """One GGUF tensor's raw rows ``data`` decoded, rows in transformers' order."""
+    codes, scales, mins = decode_blocks(data, qtype, k)
+    if arch == "llama" and num_heads and num_kv_heads:
+        heads = num_heads if ".attn_q." in name else num_kv_heads if ".attn_k." in name else None
+        if heads:
+            perm = _reverse_permutation(codes.shape[0], heads)
+            codes, scales = codes[perm], scales[perm]
+            mins = None if mins is None else mins[perm]
+    return NativeTensor(name, qtype, codes.contiguous(), scales.contiguous(),
+                        None if mins is None else mins.contiguous())
