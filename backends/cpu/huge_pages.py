@@ -125,14 +125,26 @@ _HUGE = 2 << 20
 # started at the region's 4 KiB-aligned address lost the huge page across every piece boundary, and
 # 2 MiB pieces laid that way collapsed nothing at all.
 _CHUNK = 32 << 20
+# The background threads still running: each removes itself when done. A list that kept every thread
+# until someone called wait() grew by one stopped Thread (~16 objects) per LLM, since a cached program's
+# mapped parameters start a thread for every engine and nothing in serving calls wait().
 _threads: list[threading.Thread] = []
+_threads_lock = threading.Lock()
 
 
 def _start_collapse(regions: list[param_memory.Region], collapse: bool = True) -> None:
-    thread = threading.Thread(target=_collapse, args=(regions, collapse), name="fxcompiler-huge-pages",
-                              daemon=True)
-    _threads.append(thread)
+    thread = threading.Thread(target=_run, args=(regions, collapse), name="fxcompiler-huge-pages", daemon=True)
+    with _threads_lock:
+        _threads.append(thread)
     thread.start()
+
+
+def _run(regions: list[param_memory.Region], collapse: bool) -> None:
+    try:
+        _collapse(regions, collapse)
+    finally:
+        with _threads_lock:
+            _threads.remove(threading.current_thread())
 
 
 def _collapse(regions: list[param_memory.Region], collapse: bool = True) -> None:
@@ -162,11 +174,12 @@ def _collapse(regions: list[param_memory.Region], collapse: bool = True) -> None
 
 def wait(timeout: float | None = None) -> bool:
     """Block until the background collapses started so far are done; False on timeout."""
-    for thread in list(_threads):
+    with _threads_lock:
+        running = list(_threads)
+    for thread in running:
         thread.join(timeout)
         if thread.is_alive():
             return False
-        _threads.remove(thread)
     return True
 
 

@@ -155,3 +155,28 @@ def test_mapped_parameters_are_made_anonymous_without_collapse(tmp_path, monkeyp
     assert region.address == param_memory.region_of(params["b"]).address
     for k in ref:
         assert torch.equal(params[k], ref[k]), k
+
+
+def test_finished_background_threads_leave_nothing_behind(tmp_path, monkeypatch):
+    """Every LLM on a cached program starts one background thread, and serving never calls wait(): a finished
+    thread must not stay referenced (the module kept each one until wait(), ~16 objects per LLM)."""
+    import gc
+    import threading
+
+    monkeypatch.setenv("FXCOMPILER_HUGE_PAGES", "0")  # the mapped region is still moved off its file
+
+    def stopped() -> list[threading.Thread]:
+        gc.collect()
+        return [o for o in gc.get_objects()
+                if type(o) is threading.Thread and o.name == "fxcompiler-huge-pages" and not o.is_alive()]
+
+    assert not stopped()
+    for i in range(3):
+        (tmp_path / str(i)).mkdir()
+        _, params = _mapped_params(tmp_path / str(i))
+        huge_pages.place_in_huge_pages(params)
+        for running in [t for t in threading.enumerate() if t.name == "fxcompiler-huge-pages"]:
+            running.join(60)
+        running = None
+    assert not stopped()
+    assert huge_pages.wait(0)
