@@ -26,6 +26,7 @@ from .chat_checks import check_messages, check_tools
 from .outputs import RequestOutput
 from .pipeline import Bucket, Device, parse_devices
 from .sampling_params import RequestOutputKind, SamplingParams
+from runtime import openmp_team
 
 log = logging.getLogger("fxcompiler")
 
@@ -642,6 +643,7 @@ class LLM:
 
             self._driver = EngineDriver(self.engine, self.scheduler_config.npu_queue_limit, self._lock)
             lifecycle.register(self)
+        openmp_team.release()  # the build's team: the steps may run on another thread (runtime.openmp_team)
 
     # -- lifecycle ---------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -818,6 +820,7 @@ class LLM:
             for rid in request_ids:
                 self._live.discard(rid)
                 self._pending.pop(rid, None)
+            openmp_team.release()  # the team of the inline steps: a stream's worker may step next
         outputs = [results[r] for r in request_ids]
         return outputs[0] if single else outputs
 

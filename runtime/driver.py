@@ -17,7 +17,7 @@ import torch
 
 from fxcompiler.outputs import RequestOutput
 
-from . import worker_threads
+from . import openmp_team, worker_threads
 from .engine import Engine
 
 _IDLE = object()
@@ -69,6 +69,7 @@ class EngineDriver:
             self._wake.clear()
             if self._closed or not self._run():
                 return
+            openmp_team.release()  # idle: the next steps may run inline on a caller's thread
 
     def _run(self) -> bool:
         """Step until the engine is idle; False after handing an exception to the consumer."""

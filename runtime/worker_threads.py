@@ -1,9 +1,9 @@
 """Engine worker threads, reused from one ``EngineDriver`` (one ``LLM``) to the next.
 
-A thread that runs torch work builds native state of its own: its OpenMP team (more threads),
-MKL's per-thread sgemm buffers (about 4 MiB each, ``mkl_serv_allocate``) and a glibc malloc
-arena, from which allocations that outlive the thread (caches, the next LLM's objects) are also
-served and pin its pages. Starting a fresh worker thread per ``LLM`` made a process that creates
+A thread that runs torch work builds native state of its own: its OpenMP team (more threads;
+released when a job ends, :mod:`runtime.openmp_team`), MKL's per-thread sgemm buffers (about
+4 MiB each, ``mkl_serv_allocate``) and a glibc malloc arena, from which allocations that outlive
+the thread (caches, the next LLM's objects) are also served and pin its pages. Starting a fresh worker thread per ``LLM`` made a process that creates
 and shuts down LLMs in a loop grow by ~1.5-2 MiB of RSS per LLM with flat Python memory
 (scripts/soak.py, docs/security.md). So a worker whose job has ended does not exit: it waits, named
 ``fxcompiler-engine-idle``, for the next driver to hand it a job, and the state it built is
@@ -20,9 +20,11 @@ import logging
 import os
 import queue
 import threading
-from typing import Any, Callable
+from typing import Callable
 
-__all__ = ["BUSY_NAME", "IDLE_NAME", "MAX_IDLE", "Job", "call", "idle_count", "stream_waiters", "submit"]
+from . import openmp_team
+
+__all__ = ["BUSY_NAME", "IDLE_NAME", "MAX_IDLE", "Job", "idle_count", "stream_waiters", "submit"]
 
 log = logging.getLogger("fxcompiler")
 
@@ -38,13 +40,10 @@ _waiters: concurrent.futures.ThreadPoolExecutor | None = None
 class Job:
     """One function running on a worker thread; ``is_alive``/``join`` as for the thread it replaces."""
 
-    def __init__(self, fn: Callable[[], Any], thread: threading.Thread, reraised: bool = False):
+    def __init__(self, fn: Callable[[], None], thread: threading.Thread):
         self.fn = fn
         self.thread = thread
         self._done = threading.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
-        self.reraised = reraised  # result() hands the exception to a caller: the worker does not log it
 
     def is_alive(self) -> bool:
         """True until the function has returned (or raised)."""
@@ -53,13 +52,6 @@ class Job:
     def join(self, timeout: float | None = None) -> bool:
         """Wait (at most ``timeout`` seconds) for the function to end; True when it has."""
         return self._done.wait(timeout)
-
-    def result(self) -> Any:
-        """Wait for the function to end; its return value, or the exception it raised, re-raised here."""
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        return self._value
 
 
 class _Worker(threading.Thread):
@@ -71,12 +63,11 @@ class _Worker(threading.Thread):
         while True:
             job = self.jobs.get()
             try:
-                job._value = job.fn()
-            except BaseException as exc:  # noqa: BLE001 - a job's failure must not kill a reusable worker
-                job._error = exc
-                if not job.reraised:
-                    log.exception("engine worker job failed")
+                job.fn()
+            except BaseException:  # noqa: BLE001 - a job's failure must not kill a reusable worker
+                log.exception("engine worker job failed")
             finally:
+                openmp_team.release()  # an idle worker holds no OpenMP team (runtime.openmp_team)
                 self.name = IDLE_NAME
                 with _lock:
                     keep = len(_idle) < MAX_IDLE
@@ -88,43 +79,20 @@ class _Worker(threading.Thread):
                 return
 
 
-def submit(fn: Callable[[], Any], prefer: threading.Thread | None = None, *, reraise: bool = False) -> Job:
-    """Run ``fn`` on an idle worker thread, or on a new one when none is idle.
-
-    ``prefer``: a worker to take when it is idle (the one that built a model, whose OpenMP team
-    should also run the model's steps: :func:`call`). ``reraise``: the caller collects an exception
-    with ``Job.result()``, so the worker does not log it."""
+def submit(fn: Callable[[], None]) -> Job:
+    """Run ``fn`` on an idle worker thread, or on a new one when none is idle."""
     with _lock:
-        if prefer is not None and prefer in _idle:
-            _idle.remove(prefer)
-            worker = prefer
-        else:
-            worker = _idle.pop() if _idle else None
-    fresh = worker is None
-    if fresh:
+        worker = _idle.pop() if _idle else None
+    if worker is None:
         worker = _Worker()
+        job = Job(fn, worker)
+        worker.jobs.put(job)
+        worker.start()
     else:
         worker.name = BUSY_NAME
-    job = Job(fn, worker, reraise)
-    worker.jobs.put(job)
-    if fresh:
-        worker.start()
+        job = Job(fn, worker)
+        worker.jobs.put(job)
     return job
-
-
-def call(fn: Callable[[], Any]) -> tuple[Any, threading.Thread]:
-    """Run ``fn`` on a worker, wait, and return its value and the worker (or raise what it raised).
-
-    For building a model whose steps a worker will run later (``submit(..., prefer=thread)``):
-    torch's OpenMP team belongs to the thread that first enters a parallel region, and a second
-    team in the process (the build's on this thread, the steps' on a worker) makes libgomp throttle
-    its spinning waits once the teams' threads outnumber the CPUs; every forward then runs ~20 %
-    slower (docs/serving.md). Building on the stepping thread keeps the process at one team."""
-    job = submit(fn, reraise=True)
-    try:
-        return job.result(), job.thread
-    finally:  # the idle worker keeps its last job object: it must not keep the value alive
-        job._value = job._error = None
 
 
 def idle_count() -> int:

@@ -3,6 +3,7 @@ parallel sampling (n / best_of), prompt logprobs, chunked prefill, beam search."
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -431,6 +432,31 @@ def test_beam_search_logprobs(llama_llm, hf_llama):
             assert entry[tok].logprob == pytest.approx(float(ref[step]), abs=1e-5)  # float32, as beam scores
             assert entry[tok].rank >= 1 and len(entry) in (2, 3)
         assert c.cumulative_logprob == pytest.approx(float(ref.sum()), abs=1e-4)
+
+
+def test_the_stepping_threads_release_their_openmp_teams(llama_llm, monkeypatch):
+    """generate releases its caller's OpenMP team when it returns and a stream's worker releases its own
+    when the engine goes idle: one team at a time, or libgomp throttles every forward (runtime.openmp_team)."""
+    import asyncio
+    import threading
+
+    from runtime import openmp_team
+
+    released: list = []
+    monkeypatch.setattr(openmp_team, "release", lambda: released.append(threading.current_thread()) or True)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llama_llm.generate(None, sp, prompt_token_ids=[[5, 6, 7, 8]])
+    assert released == [threading.current_thread()]
+
+    async def stream():  # no tokenizer: no text deltas, but the worker steps the request to its end
+        return [d async for d in llama_llm.stream_generate("", sp, prompt_token_ids=[5, 6, 7])]
+
+    released.clear()
+    asyncio.run(stream())
+    deadline = time.monotonic() + 10
+    while not released and time.monotonic() < deadline:  # the worker releases after its last step
+        time.sleep(0.01)
+    assert released and all(t is not threading.current_thread() for t in released)
 
 
 def test_generate_steps_on_the_calling_thread_and_alongside_a_stream(llama_llm):

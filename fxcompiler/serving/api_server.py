@@ -477,7 +477,7 @@ def run_server(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     engine_args = EngineArgs.from_cli_args(args)
-    aeng = AsyncLLMEngine.from_engine_args(engine_args)
+    aeng = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
     app = build_app(aeng, api_key=args.api_key, model_name=engine_args.model_name, tool_call_parser=parser)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,

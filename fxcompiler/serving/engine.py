@@ -30,7 +30,7 @@ from typing import Any, AsyncIterator, Callable, Iterable, TypedDict
 
 import torch
 
-from runtime import worker_threads
+from runtime import openmp_team, worker_threads
 
 from ..outputs import CompletionOutput, RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -251,8 +251,6 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._closed = False
         self._job: worker_threads.Job | None = None  # _run on a reused engine worker thread
-        self._home: threading.Thread | None = None  # the worker that built the LLM: it also runs _run
-        self._threads: int | None = None  # its OpenMP team size; else the creating thread's
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}
         self.dead: BaseException | None = None
@@ -262,18 +260,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> "AsyncLLMEngine":
-        """Build the LLM on the engine worker that will step it: one OpenMP team in the process.
-
-        A build on the calling thread leaves that thread's OpenMP team alive beside the engine
-        thread's, and with more team threads than CPUs libgomp throttles its spinning waits: every
-        forward ran ~20 % slower (docs/serving.md)."""
-        def build() -> tuple[LLMEngine, int]:
-            return LLMEngine.from_engine_args(engine_args), torch.get_num_threads()
-
-        (engine, threads), home = worker_threads.call(build)
-        aeng = cls(engine)
-        aeng._home, aeng._threads = home, threads  # the build set the thread's team size (--threads)
-        return aeng
+        return cls(LLMEngine.from_engine_args(engine_args))
 
     # -- lifecycle ----------------------------------------------------------------------------------
     def _ensure_started(self) -> None:
@@ -285,8 +272,7 @@ class AsyncLLMEngine:
         if self._job is None:
             # a reused worker (runtime.worker_threads), not a thread per engine: each new native thread
             # builds its own OpenMP team, MKL buffers and malloc arena, which outlive the engine
-            threads = self._threads or torch.get_num_threads()
-            self._job = worker_threads.submit(functools.partial(self._run, threads), self._home)
+            self._job = worker_threads.submit(functools.partial(self._run, torch.get_num_threads()))
 
     @property
     def is_running(self) -> bool:
@@ -328,6 +314,7 @@ class AsyncLLMEngine:
             if aborts:
                 eng.abort_request(aborts)
             if not eng.has_unfinished_requests():
+                openmp_team.release()  # idle: an LLM.generate of the same LLM may step on its caller's thread
                 self._wake.wait()
                 self._wake.clear()
                 continue

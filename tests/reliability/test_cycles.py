@@ -10,6 +10,7 @@ import linecache
 import logging
 import os
 import threading
+import time
 
 from torch.fx.graph_module import _loader
 
@@ -34,14 +35,15 @@ def _rss_mib() -> float:
 
 
 def _cycle(llama_dir, cache, seen: set | None = None) -> list:
-    """One LLM created, used and shut down; ``seen`` collects the OS threads alive after its stream."""
+    """One LLM created, used and shut down; ``seen`` collects the Python threads alive after its stream
+    (their native ids)."""
     llm = make_llm(llama_dir, cache)
     out = [o.outputs[0].token_ids for o in llm.generate(None, SP, prompt_token_ids=PROMPTS)]
 
     async def stream():  # starts the engine's worker thread
         deltas = [d async for d in llm.stream_generate("", SP, prompt_token_ids=PROMPTS[0])]
         if seen is not None:
-            seen.update(_native_threads())
+            seen.update(t.native_id for t in threading.enumerate())
         return deltas
 
     asyncio.run(stream())
@@ -49,10 +51,6 @@ def _cycle(llama_dir, cache, seen: set | None = None) -> list:
     del llm
     gc.collect()
     return out
-
-
-def _native_threads() -> set[str]:
-    return set(os.listdir("/proc/self/task"))  # every OS thread: Python's, OpenMP's, MKL's
 
 
 def _state() -> dict:
@@ -81,15 +79,28 @@ def test_create_shutdown_cycles_leave_nothing_behind(llama_dir, rel_cache):
     assert after["rss_mib"] - before["rss_mib"] < RSS_GROWTH_MIB, (before, after)
 
 
+def _os_threads_settled(at_most: int, timeout: float = 5.0) -> int:
+    """OS threads alive (Python's, OpenMP's, MKL's) once those ending have gone, or after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (n := len(os.listdir("/proc/self/task"))) > at_most and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return n
+
+
 def test_cycles_start_no_thread_per_llm(llama_dir, rel_cache):
-    """Each LLM's engine worker (and the OpenMP team it builds) and the threads streams wait on are
-    reused by the next LLM: a fresh set per LLM took ~1.5-2 MiB of native memory each time
-    (malloc arenas, per-thread MKL and OpenMP state), scripts/soak.py's RSS growth."""
-    warm: set[str] = set()
+    """Each LLM's engine worker and the threads streams wait on are reused by the next LLM: a fresh set per
+    LLM took ~1.5-2 MiB of native memory each time (malloc arenas, per-thread MKL state), scripts/soak.py's
+    RSS growth. OpenMP's team threads end instead: a thread that stops stepping releases its team
+    (runtime.openmp_team; two live teams throttle every forward) and its next parallel region starts a new
+    one, so their ids change from cycle to cycle but their number does not grow (RSS: the test above)."""
+    warm: set[int] = set()
     _cycle(llama_dir, rel_cache, warm)
     _cycle(llama_dir, rel_cache, warm)
-    seen: set[str] = set()
-    for _ in range(CYCLES):
+    idle = _os_threads_settled(0, timeout=1.0)  # after the warm-up: the most that may stay between LLMs
+    seen: set[int] = set()
+    for i in range(CYCLES):
         _cycle(llama_dir, rel_cache, seen)
+        left = _os_threads_settled(idle)
+        assert left <= idle, f"cycle {i}: {left} OS threads stay after the LLM's shutdown, {idle} after the warm-up"
     started = seen - warm
-    assert not started, f"{len(started)} OS threads started by {CYCLES} LLM cycles after the warm-up"
+    assert not started, f"{len(started)} Python threads started by {CYCLES} LLM cycles after the warm-up"

@@ -194,36 +194,3 @@ def test_async_engines_run_on_reused_worker_threads():
         asyncio.run(serve_once())
         assert seen[-1].name == worker_threads.IDLE_NAME and seen[-1].is_alive()
     assert len(seen) == 3 and len(set(seen)) == 1, "each AsyncLLMEngine started its own thread"
-
-
-def test_call_returns_the_value_and_the_worker_that_a_preferring_submit_takes_again():
-    value, home = worker_threads.call(lambda: threading.current_thread())
-    assert value is home and home.name == worker_threads.IDLE_NAME
-    release_home, release_other = threading.Event(), threading.Event()
-    on_home = worker_threads.submit(lambda: release_home.wait(10), home)
-    other = worker_threads.submit(lambda: release_other.wait(10))
-    assert on_home.thread is home and other.thread is not home
-    release_home.set()
-    assert on_home.join(10)
-    release_other.set()
-    assert other.join(10)  # the other worker went idle last: a plain submit would take it
-    ran_on = []
-    job = worker_threads.submit(lambda: ran_on.append(threading.current_thread()), home)
-    assert job.join(10) and ran_on == [home]
-
-
-def test_call_raises_what_the_job_raised_and_keeps_no_reference_to_its_value():
-    import pytest
-
-    with pytest.raises(ValueError, match="bad build"):
-        worker_threads.call(lambda: (_ for _ in ()).throw(ValueError("bad build")))
-
-    class Built:
-        pass
-
-    import weakref
-
-    value, _ = worker_threads.call(Built)
-    ref = weakref.ref(value)
-    del value
-    assert ref() is None, "the idle worker keeps the built object alive"

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import pytest
 
@@ -146,28 +145,6 @@ def test_slow_consumer_does_not_hold_back_others(llm, engine_args):
     tokens = len(first.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids) for o in rest)
     assert rest[-1].finished and len(rest) < tokens - len(first.outputs[0].token_ids)
     assert steps >= 20  # the engine kept stepping while the slow stream was not read
-
-
-def test_async_engine_from_engine_args_steps_on_the_thread_that_built_it(llm, engine_args, monkeypatch):
-    # one OpenMP team per process: a build on another thread than the steps' leaves two teams, and libgomp
-    # then throttles its spinning waits (every forward ~20 % slower; docs/serving.md)
-    built_on, stepped_on = [], []
-    create, step = EngineArgs.create_llm, LLMEngine.step
-    monkeypatch.setattr(EngineArgs, "create_llm",
-                        lambda self: built_on.append(threading.current_thread()) or create(self))
-    monkeypatch.setattr(LLMEngine, "step", lambda self: stepped_on.append(threading.current_thread()) or step(self))
-    aeng = AsyncLLMEngine.from_engine_args(engine_args)
-
-    async def main():
-        return [o async for o in aeng.generate("import sys", greedy(max_tokens=6), "r0")][-1]
-
-    try:
-        out = asyncio.run(main())
-    finally:
-        aeng.shutdown()
-    assert out.outputs[0].token_ids == llm.generate("import sys", greedy(max_tokens=6)).outputs[0].token_ids
-    assert len(built_on) == 1 and built_on[0] is not threading.main_thread()
-    assert stepped_on and set(stepped_on) == {built_on[0]}
 
 
 def test_delta_holds_back_a_possible_stop_string(llm):
