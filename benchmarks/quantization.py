@@ -19,6 +19,14 @@ Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, m
         # qformat-kv8 / qformat-kvf8 / qformat-w8a16+kvf8: `fxcompiler quantize --scheme ...` [--kv-observer
         # minmax|percentile] [--kv-percentile P]; wf8af8 (LLM Wf8Af8: RTN fp8 weights, per-token fp8 activations,
         # fxc::linear_f8f8), qformat-wf8af8[-gptq]: `fxcompiler quantize --scheme wf8af8`
+
+Resident memory (``--rss``, load-independent; no perplexity or speed): each scheme's engine in fresh
+processes, first on a cold compile cache (an empty ``FXCOMPILER_CACHE_DIR`` given the built C++ extensions
+and autotuning results of the current one, so nothing is compiled), then warm (the same directory again):
+``VmRSS`` after ``LLM(model)`` (default options) and after 16 requests x 64 greedy tokens, and ``VmHWM`` (the
+build's peak on the cold run), from ``/proc/self/status``:
+
+    .venv/bin/python benchmarks/quantization.py --rss --schemes native-q4_1-q8head[,native-q4_1,fp32]
 """
 from __future__ import annotations
 
@@ -26,7 +34,9 @@ import argparse
 import json
 import math
 import os
+import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,6 +113,54 @@ def decode_tps(llm, tokens: int) -> float:
     return tokens / (time.perf_counter() - t0)
 
 
+RSS_PROMPTS = [f"Request {i}: tell me about the number {i}." for i in range(16)]
+
+
+def _status() -> dict[str, int]:
+    with open("/proc/self/status") as f:
+        return {k: int(v.split()[0]) * 1024 for k, v in (line.split(":", 1) for line in f) if k in ("VmRSS", "VmHWM")}
+
+
+def rss_child(scheme: str, model: str) -> None:
+    """One fresh process: build the scheme's engine, run the workload, print the memory figures."""
+    from fxcompiler import LLM, SamplingParams
+
+    llm = LLM(model, **llm_kwargs(scheme))
+    after_llm = _status()
+    llm.generate(RSS_PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+    after = _status()
+    print("RESULT " + json.dumps({"rss_llm": after_llm["VmRSS"], "rss_workload": after["VmRSS"], "hwm": after["VmHWM"],
+                                  "compile_cache": llm.build_info.get("compile_cache")}), flush=True)
+
+
+def rss_runs(schemes: list[str], model: str, cache_dir: str | None) -> None:
+    """``--rss``: per scheme a cold then a warm process on one cache directory."""
+    from fxcompiler.llm import default_cache_dir
+
+    print("| scheme | run | VmRSS after LLM() | after 16 x 64 tokens | VmHWM |\n|---|---|---|---|---|", flush=True)
+    for s in schemes:
+        with tempfile.TemporaryDirectory(prefix="fxc-rss-") as tmp:
+            cache = cache_dir or tmp
+            for sub in ("kernels", "autotune"):  # the built extensions: a cold *compile* cache, nothing compiled
+                src = default_cache_dir() / sub
+                if src.is_dir() and not os.path.exists(os.path.join(cache, sub)):
+                    shutil.copytree(src, os.path.join(cache, sub), symlinks=True)
+            os.chmod(cache, 0o700)
+            env = dict(os.environ, FXCOMPILER_CACHE_DIR=cache, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+            env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..") + os.pathsep \
+                + env.get("PYTHONPATH", "")
+            for run in ("cold", "warm"):
+                r = subprocess.run([sys.executable, os.path.abspath(__file__), "--rss-child", s, "--model", model],
+                                   env=env, capture_output=True, text=True)
+                line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
+                if line is None:
+                    raise SystemExit(f"{s} ({run}) failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+                res = json.loads(line[7:])
+                gib = 1 << 30
+                print(f"| {s} | {run} (compile cache {res['compile_cache']}) | {res['rss_llm'] / gib:.3f} GiB | "
+                      f"{res['rss_workload'] / gib:.3f} GiB | {res['hwm'] / gib:.3f} GiB |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schemes", default="fp32,bf16,w8a32,w8a16,w4a32-g128,native-q4_1")
@@ -126,16 +184,26 @@ def main() -> None:
                     help="qformat-kv8 / qformat-kvf8 / qformat-*+kvf8: fxcompiler quantize --kv-observer")
     ap.add_argument("--kv-percentile", type=float, default=None, help="with --kv-observer percentile")
     ap.add_argument("--dry-run", action="store_true", help="check the arguments and exit (builds nothing)")
+    ap.add_argument("--rss", action="store_true", help="resident memory of each scheme's engine, cold and warm "
+                                                       "compile cache, each a fresh process (see the docstring)")
+    ap.add_argument("--rss-cache-dir", default=None, help="--rss: keep the cache here instead of a temporary one")
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rss_child:
+        return rss_child(args.rss_child, args.model)
     from fxcompiler import LLM, ManualBucketConfig
 
     schemes = [s for s in args.schemes.split(",") if s]
     for s in schemes:
         if s not in SCHEMES:
             raise SystemExit(f"unknown scheme {s!r}; choose from {SCHEMES}")
+        if args.rss and s.startswith("qformat-"):
+            raise SystemExit(f"--rss measures the LLM-keyword schemes only, not {s!r}")
     if args.dry_run:
         print("schemes:", ", ".join(schemes))
         return
+    if args.rss:
+        return rss_runs(schemes, args.model, args.rss_cache_dir)
     _, held = split_topics()
     engines, results = {}, {}
     tmp = tempfile.TemporaryDirectory(prefix="fxc-quant-bench-")

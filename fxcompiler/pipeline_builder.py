@@ -286,16 +286,19 @@ def _bucket_pipeline(job: _BucketJob, bucket: Bucket, memo: dict) -> Pipeline:
     infos = _user_tensor_infos(ctx, bucket, block_size)
     for spec in ctx.input_specs:
         if spec.kind == "user":
-            tensors[spec.name] = infos[spec.target]
+            tensors[spec.name] = _shared(memo, infos[spec.target])
     if partition is not None:
         for name, val in partition.intermediates.items():
-            tensors[name] = _intermediate_info(val, dims, bucket, memo)
-    tensors["logits"] = TensorInfo([bucket.batch_size, ctx.geometry.vocab_size], dtype_name(logits_dtype))
-    supertasks = {"0": SuperTask(SuperTaskKind.INPUT, [], user_names)}
-    for i, task in enumerate(compute):
-        supertasks[str(i + 1)] = SuperTask(task.kind, list(task.inputs), list(task.outputs), task.device,
+            tensors[name] = _shared(memo, _intermediate_info(val, dims, bucket, memo))
+    tensors["logits"] = _shared(memo, TensorInfo([bucket.batch_size, ctx.geometry.vocab_size], dtype_name(logits_dtype)))
+    if "supertasks" not in memo:  # the same for every bucket: one set of objects, as the build cache decodes them
+        shared = {"0": SuperTask(SuperTaskKind.INPUT, [], user_names)}
+        for i, task in enumerate(compute):
+            shared[str(i + 1)] = SuperTask(task.kind, list(task.inputs), list(task.outputs), task.device,
                                            task.data_blob, dict(task.metadata))
-    supertasks[str(len(compute) + 1)] = SuperTask(SuperTaskKind.OUTPUT, ["logits"], [])
+        shared[str(len(compute) + 1)] = SuperTask(SuperTaskKind.OUTPUT, ["logits"], [])
+        memo["supertasks"] = shared
+    supertasks = dict(memo["supertasks"])
     return Pipeline(
         name=pipeline_name(model_name, bucket), bucket=bucket, devices={"0": device}, tensors=tensors,
         supertasks=supertasks, blobs=dict(blobs), param_files={MEMORY_PARAM_FILE: param_file},
@@ -385,6 +388,13 @@ def _dim_symbols(gm: torch.fx.GraphModule, ctx: CompileContext) -> dict:
                 if getattr(expr, "is_Symbol", False):
                     dims.setdefault(expr, name)
     return dims
+
+
+def _shared(memo: dict, info: TensorInfo) -> TensorInfo:
+    """One object per distinct (shape, dtype) over a build: pipelines share their records, as
+    :func:`~fxcompiler.pipeline.pipelines_from_compact` decodes them (nothing mutates them after a build;
+    SmolLM2's default buckets held ~10^5 TensorInfo copies)."""
+    return memo.setdefault(("info", tuple(info.shape), info.dtype), info)
 
 
 def _intermediate_info(val, dims: dict, bucket: Bucket, memo: dict | None = None) -> TensorInfo:
