@@ -196,6 +196,9 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
         t1 = time.perf_counter()
         cache.store(key, gm, ctx, extra={"model_id": request.model_id})
         info["store_seconds"] = time.perf_counter() - t1
+        from .pipeline_builder import release_free_memory
+
+        release_free_memory()  # the serialised program's buffers
     info["seconds"] = time.perf_counter() - t0
     return gm, ctx, info
 
@@ -268,6 +271,10 @@ def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str,
         info = save_params(result.params, param_file_path, param_saved_format)
         for p in result.pipelines:
             p.param_files = {k: info for k in p.param_files}
+    if result.build_cache != "hit":  # built (and stored): the transient graphs, records and buffers back to the OS
+        from .pipeline_builder import release_free_memory
+
+        release_free_memory()
     log.info("build: %.1fs", time.perf_counter() - t0)
     return result
 
