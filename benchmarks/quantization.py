@@ -22,7 +22,8 @@ Decode speed: batch-1 decode tokens/s, rounds interleaved between the engines, m
 
 Resident memory (``--rss``, load-independent; no perplexity or speed): each scheme's engine in fresh
 processes, first on a cold compile cache (an empty ``FXCOMPILER_CACHE_DIR`` given the built C++ extensions
-and autotuning results of the current one, so nothing is compiled), then warm (the same directory again):
+and autotuning results and converted GGUF models of the current one, so no extension is compiled and the
+GGUF is not converted again), then warm (the same directory again):
 ``VmRSS`` after ``LLM(model)`` (default options) and after 16 requests x 64 greedy tokens, and ``VmHWM`` (the
 build's peak on the cold run), from ``/proc/self/status``:
 
@@ -133,6 +134,13 @@ def rss_child(scheme: str, model: str) -> None:
                                   "compile_cache": llm.build_info.get("compile_cache")}), flush=True)
 
 
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 def rss_runs(schemes: list[str], model: str, cache_dir: str | None) -> None:
     """``--rss``: per scheme a cold then a warm process on one cache directory."""
     from fxcompiler.llm import default_cache_dir
@@ -141,10 +149,10 @@ def rss_runs(schemes: list[str], model: str, cache_dir: str | None) -> None:
     for s in schemes:
         with tempfile.TemporaryDirectory(prefix="fxc-rss-") as tmp:
             cache = cache_dir or tmp
-            for sub in ("kernels", "autotune"):  # the built extensions: a cold *compile* cache, nothing compiled
-                src = default_cache_dir() / sub
+            for sub in ("kernels", "autotune", "models"):  # a cold *compile* cache: the built extensions and the
+                src = default_cache_dir() / sub               # GGUF's one-time HF conversion are kept
                 if src.is_dir() and not os.path.exists(os.path.join(cache, sub)):
-                    shutil.copytree(src, os.path.join(cache, sub), symlinks=True)
+                    shutil.copytree(src, os.path.join(cache, sub), symlinks=True, copy_function=_link_or_copy)
             os.chmod(cache, 0o700)
             env = dict(os.environ, FXCOMPILER_CACHE_DIR=cache, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
             env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..") + os.pathsep \
