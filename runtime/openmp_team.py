@@ -10,7 +10,8 @@ engine thread of a server), so each thread that is done stepping calls :func:`re
 
 OpenMP 5.0's ``omp_pause_resource_all(omp_pause_soft)`` frees the calling thread's team (libgomp
 and LLVM's libomp both have it); the next parallel region on that thread builds a new one (one
-``pthread_create`` per team thread, tens of microseconds). Without such a runtime this is a no-op.
+``pthread_create`` per team thread, tens of microseconds). Without such a runtime this is a no-op,
+as with ``FXCOMPILER_OPENMP_RELEASE=0`` (for A/B measurements).
 """
 from __future__ import annotations
 
@@ -49,11 +50,13 @@ def _lookup():
 
 
 def available() -> bool:
-    """Whether the OpenMP runtime torch uses can release a thread's team."""
-    return bool(_lookup())
+    """Whether the OpenMP runtime torch uses can release a thread's team (and releasing is not switched off)."""
+    return os.environ.get("FXCOMPILER_OPENMP_RELEASE", "1") != "0" and bool(_lookup())
 
 
 def release() -> bool:
     """Free the calling thread's OpenMP team (call when it stops running forwards); True when freed."""
+    if os.environ.get("FXCOMPILER_OPENMP_RELEASE", "1") == "0":
+        return False
     fn = _lookup()
     return bool(fn) and fn(_OMP_PAUSE_SOFT) == 0

@@ -70,3 +70,10 @@ def test_threads_that_stop_stepping_release_their_openmp_team():
     lines = out.stdout.splitlines()
     assert lines == ["available True", "main team 1", "released True 0", "release without a team True",
                      "worker job ended 1", "driver idle 1"], out.stdout
+
+
+def test_releasing_can_be_switched_off_for_ab_measurements(monkeypatch):
+    from runtime import openmp_team
+
+    monkeypatch.setenv("FXCOMPILER_OPENMP_RELEASE", "0")
+    assert openmp_team.available() is False and openmp_team.release() is False
