@@ -164,14 +164,22 @@ def main() -> int:
         result[dtype] = {}
         for wl in workloads:
             fx_fn, cpp_fn = runs[wl]
-            fx, cpp = [], []
+            fx, cpp, cpp_error = [], [], None
             for _ in range(args.rounds):
-                cpp.append(cpp_fn())
+                if cpp_error is None:
+                    try:
+                        cpp.append(cpp_fn())
+                    except subprocess.CalledProcessError as exc:  # fxcompiler's rounds still run and are reported
+                        cpp_error = f"{Path(exc.cmd[0]).name} failed ({exc.returncode}): {' '.join(map(str, exc.cmd[1:]))}"
                 fx.append(fx_fn())
+            fx_text = f"{dtype} {wl}: fxcompiler {statistics.median(fx):.1f} tok/s ({' / '.join(f'{v:.1f}' for v in fx)})"
+            if cpp_error is not None:
+                result[dtype][wl] = {"fxcompiler": fx, "llama_cpp_error": cpp_error}
+                print(f"{fx_text}; llama.cpp: {cpp_error}", flush=True)
+                continue
             ratios = [f / c for f, c in zip(fx, cpp)]
             result[dtype][wl] = {"fxcompiler": fx, "llama_cpp": cpp, "ratios": ratios}
-            print(f"{dtype} {wl}: fxcompiler {statistics.median(fx):.1f} tok/s ({' / '.join(f'{v:.1f}' for v in fx)}), "
-                  f"llama.cpp {statistics.median(cpp):.1f} ({' / '.join(f'{v:.1f}' for v in cpp)}), "
+            print(f"{fx_text}, llama.cpp {statistics.median(cpp):.1f} ({' / '.join(f'{v:.1f}' for v in cpp)}), "
                   f"ratio {statistics.median(ratios):.2f} ({' / '.join(f'{r:.2f}' for r in ratios)})", flush=True)
         llm.shutdown()
         del llm
