@@ -1,13 +1,14 @@
 """Engine worker threads, reused from one ``EngineDriver`` (one ``LLM``) to the next.
 
 A thread that runs torch work builds native state of its own: its OpenMP team (more threads;
-released when a job ends, :mod:`runtime.openmp_team`), MKL's per-thread sgemm buffers (about
-4 MiB each, ``mkl_serv_allocate``) and a glibc malloc arena, from which allocations that outlive
-the thread (caches, the next LLM's objects) are also served and pin its pages. Starting a fresh worker thread per ``LLM`` made a process that creates
-and shuts down LLMs in a loop grow by ~1.5-2 MiB of RSS per LLM with flat Python memory
-(scripts/soak.py, docs/security.md). So a worker whose job has ended does not exit: it waits, named
-``fxcompiler-engine-idle``, for the next driver to hand it a job, and the state it built is
-reused instead of leaked. At most :data:`MAX_IDLE` workers wait; more exit.
+released when a job ends, :mod:`runtime.openmp_team`), MKL's per-thread sgemm buffers (about 4 MiB
+each, ``mkl_serv_allocate``) and a glibc malloc arena, from which allocations that outlive the
+thread (caches, the next LLM's objects) are also served and pin its pages. Starting a fresh worker
+thread per ``LLM`` made a process that creates and shuts down LLMs in a loop grow by ~1.5-2 MiB of
+RSS per LLM with flat Python memory (scripts/soak.py, docs/security.md). So a worker whose job has
+ended does not exit: it waits, named ``fxcompiler-engine-idle``, for the next driver to hand it a
+job, and the state it built is reused instead of leaked. At most :data:`MAX_IDLE` workers wait; more
+exit.
 
 The threads that wait for a stream's next outputs (``LLM.stream_generate``) are likewise one
 process-wide pool (:func:`stream_waiters`), not the event loop's default executor, whose threads
