@@ -91,6 +91,15 @@ def copies_for(nbytes: int, pool_mb: int) -> int:
     return max(1, min(2000, -(-pool_mb * 2**20 // nbytes)))
 
 
+def _switched_off(setter, fn):
+    """``fn()`` with a kernel switch of ``backends.cpu._build`` off (the path it replaced), then on again."""
+    setter(False)
+    try:
+        return fn()
+    finally:
+        setter(True)
+
+
 def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
     """Yield (name, make_fn(m) -> (fn, argsets)) for one shape and weight dtype."""
     g = torch.Generator().manual_seed(0)
@@ -104,26 +113,17 @@ def candidates(dtype_name: str, k: int, n: int, m_list, pool_mb: int):
         wps = [wp0.clone() for _ in range(c)]
         yield "fxc.linear", lambda x: (lambda wp: torch.ops.fxc.linear(x, wp, None, n), [(p,) for p in wps])
         if dt == torch.float32:  # M > 12: the same kernel without the next-panel L2 prefetch, same process
-            def no_panel_prefetch(wp, x):
-                _build.set_panel_prefetch(False)
-                try:
-                    return torch.ops.fxc.linear(x, wp, None, n)
-                finally:
-                    _build.set_panel_prefetch(True)
-            yield "fxc.linear (no panel prefetch)", lambda x: (lambda wp: no_panel_prefetch(wp, x),
-                                                               [(p,) for p in wps])
+            yield "fxc.linear (no panel prefetch)", lambda x: (
+                lambda wp: _switched_off(_build.set_panel_prefetch, lambda: torch.ops.fxc.linear(x, wp, None, n)),
+                [(p,) for p in wps])
         if dt == torch.bfloat16:  # same kernel fed bf16 activations (bf16 output), as the torch candidates
             yield "fxc.linear (x bf16)", lambda x: (lambda wp, xb=x.bfloat16(): torch.ops.fxc.linear(xb, wp, None, n),
                                                     [(p,) for p in wps])
             if _build.state().get("bf16dot"):  # the FMA path the VDPBF16PS kernel replaced, same process
-                def fma_path(wp, xb):
-                    _build.set_bf16dot(False)
-                    try:
-                        return torch.ops.fxc.linear(xb, wp, None, n)
-                    finally:
-                        _build.set_bf16dot(True)
-                yield "fxc.linear (x bf16, FMA)", lambda x: (lambda wp, xb=x.bfloat16(): fma_path(wp, xb),
-                                                             [(p,) for p in wps])
+                yield "fxc.linear (x bf16, FMA)", lambda x: (
+                    lambda wp, xb=x.bfloat16(): _switched_off(_build.set_bf16dot,
+                                                              lambda: torch.ops.fxc.linear(xb, wp, None, n)),
+                    [(p,) for p in wps])
         del wps
         wts = [wd.t().contiguous() for _ in range(c)]
         yield "torch.mm(W^T)", lambda x: (lambda wt: torch.mm(x, wt), [(t,) for t in wts])
