@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from .linear import NB
+from .quant_linear import dequantize_int4_codes
 
 __all__ = ["embedding_w4", "embedding_w4_reference", "embedding_w8", "embedding_w8_reference"]
 
@@ -62,11 +63,9 @@ def embedding_w4_reference(ids, w_int4_packed, scales, mins, n, group_size):
     half = w_int4_packed.shape[1]
     p, j = _rows(ids, n)
     b = w_int4_packed[p, :, j]  # [T, K/2]
-    q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(b.shape[0], 2 * half).to(torch.float32)
-    idx = _group_index(2 * half, group_size, q.device)
-    s = scales[p, :, j].to(torch.float32)[:, idx]
-    m = mins[p, :, j].to(torch.float32)[:, idx]
-    return ((q * s) + m).reshape(*ids.shape, 2 * half)
+    q = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(b.shape[0], 2 * half)
+    w = dequantize_int4_codes(q, scales[p, :, j], mins[p, :, j], group_size)  # the linear op's value definition
+    return w.reshape(*ids.shape, 2 * half)
 
 
 @torch.library.register_fake("fxc::embedding_w8", lib=_lib)
