@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ALIGN", "Region", "aligned", "allocate", "make_anonymous", "map_file", "region_of", "trim_heap"]
+__all__ = ["ALIGN", "Region", "aligned", "allocate", "make_anonymous", "map_file", "region_of", "trim_heap", "HeapTrimmer"]
 
 ALIGN = 4096  # every tensor starts on its own page (kernels load vectors unaligned anyway)
 
@@ -188,3 +188,17 @@ def trim_heap() -> None:
             _malloc_trim = False
     if _malloc_trim:
         _malloc_trim(0)
+
+
+class HeapTrimmer:
+    """:func:`trim_heap` each time ``every`` bytes of weights have been replaced: a pass that swaps weights
+    one by one (transposed, repacked) then keeps its high-water near one copy of them instead of two."""
+
+    def __init__(self, every: int = 32 << 20):
+        self.every, self._pending = every, 0
+
+    def replaced(self, nbytes: int) -> None:
+        self._pending += nbytes
+        if self._pending >= self.every:
+            trim_heap()
+            self._pending = 0

@@ -52,7 +52,7 @@ from torch.fx import GraphModule
 from fxcompiler.ops.linear import NB, _pad_rows, _panels, quantize_linear_weight_int8
 from fxcompiler.ops.w8a8_linear import pack_w8a8, quantize_w8a8_weight
 from fxcompiler.ops.quant_linear import pack_fp8, pack_int4, quantize_linear_weight_fp8, quantize_linear_weight_int4
-from fxcompiler.param_memory import trim_heap
+from fxcompiler.param_memory import HeapTrimmer
 from fxcompiler.pass_manager import CompileContext, PassError, PassResult, register_pass
 from fxcompiler.qparam import QParamSet as _QParams
 
@@ -62,7 +62,6 @@ log = logging.getLogger("fxcompiler.passes")
 
 _HEAD_WORDS = ("lm_head", "embed_tokens", "wte", "embed_out", "output.weight")
 _CHECK_ROWS = 4096  # rows of a GGUF tensor dequantised at a time by the exactness check
-_TRIM_BYTES = 32 << 20  # float weights dropped between heap trims (glibc keeps freed chunks resident otherwise)
 
 
 def _sources(target: str) -> list[str]:
@@ -157,7 +156,7 @@ class QuantizePass:
         self._by_native: dict[str, tuple] = {}  # checkpoint tensor name -> its packed op (a tied table shares it)
         matched: set[int] = set()
         seen: set[str] = set()
-        freed = 0
+        trimmer = HeapTrimmer()
         info = {"quantized": 0, "kept": 0, "native": 0, "rtn": 0, "exact_checked": 0, "ops": {}, "weight_bytes": 0}
         for site in sites:
             target = ctx.placeholder_spec(site.w).target
@@ -191,11 +190,8 @@ class QuantizePass:
             site.out.replace_all_uses_with(new)
             for node in site.erase:
                 graph.erase_node(node)
-            if ctx.drop_param_if_unused(gm, site.w):
-                freed += site.k * site.n * 4
-                if freed >= _TRIM_BYTES:  # the replaced float weights and packing temporaries back to the OS
-                    trim_heap()
-                    freed = 0
+            if ctx.drop_param_if_unused(gm, site.w):  # the float weight and packing temporaries back to the OS
+                trimmer.replaced(site.k * site.n * 4)
             info["quantized"] += 1
             info["ops"][kind] = info["ops"].get(kind, 0) + 1
         unmatched = [p for i, (p, _) in enumerate(rules) if i not in matched]

@@ -24,11 +24,10 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from fxcompiler.param_memory import trim_heap
+from fxcompiler.param_memory import HeapTrimmer
 from fxcompiler.pass_manager import CompileContext, PassResult, register_pass
 
 aten = torch.ops.aten
-_TRIM_BYTES = 32 << 20  # weights copied between heap trims (glibc keeps the dropped originals resident)
 
 
 def _is(node, *targets) -> bool:
@@ -60,19 +59,14 @@ class WeightLayoutPass:
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
         graph = gm.graph
         transposed: dict[str, Node] = {}
-
-        copied = 0
+        trimmer = HeapTrimmer()  # the replaced weights' heap pages back to the OS as the pass goes
 
         def weight_t(w: Node) -> Node:
-            nonlocal copied
             key = ctx.placeholder_spec(w).target + ".T"
             if key not in transposed:
                 value = ctx.param_of(w).t().contiguous()
                 transposed[key] = ctx.add_param_input(gm, key, value)
-                copied += value.numel() * value.element_size()
-                if copied >= _TRIM_BYTES:  # the replaced weights' heap pages back to the OS as the pass goes
-                    trim_heap()
-                    copied = 0
+                trimmer.replaced(value.numel() * value.element_size())
             return transposed[key]
 
         rewritten = decomposed = 0

@@ -163,3 +163,14 @@ def test_readers_during_the_move_always_see_the_same_bytes(tmp_path):
         reader.join()
     assert seen and all(s == expected for s in seen)
     assert torch.equal(w, ref)
+
+
+def test_heap_trimmer_trims_once_per_every_bytes_replaced(monkeypatch):
+    from fxcompiler import param_memory
+
+    trims = []
+    monkeypatch.setattr(param_memory, "trim_heap", lambda: trims.append(1))
+    t = param_memory.HeapTrimmer(every=100)
+    for n in (40, 40, 30, 99, 1, 10):  # 110 -> trim, then 100 -> trim, then 10 pending
+        t.replaced(n)
+    assert len(trims) == 2
