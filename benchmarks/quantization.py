@@ -52,7 +52,8 @@ SCHEMES = ("fp32", "bf16", "w8a32", "w8a16", "w4a32-g128", "w4a16-g128", "native
            "qformat-w8a16-gptq", "qformat-w4a16-g128-gptq", "qformat-fp8-gptq",  # ...-gptq: with --algorithm gptq
            "w8a8", "qformat-w8a8", "qformat-w8a8-gptq", "qformat-w8a8-smoothquant",  # W8A8: fxc::linear_w8a8
            "kv8", "kvf8", "w8a16-kvf8", "qformat-kv8", "qformat-kvf8", "qformat-w8a16+kvf8",  # quantized KV caches
-           "wf8af8", "qformat-wf8af8", "qformat-wf8af8-gptq")  # fp8 activations: fxc::linear_f8f8
+           "wf8af8", "qformat-wf8af8", "qformat-wf8af8-gptq",  # fp8 activations: fxc::linear_f8f8
+           "native-q4_1-a8", "w4a8-g32")  # W4A8 (int8 activations per group, fxc::linear_w4a8): the GGUF's Q4_1, RTN
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "List three colours:", "Water boils at",
            "Once upon a time, in a small village by the sea,", "The best way to learn a language is"]
 
@@ -71,6 +72,8 @@ def llm_kwargs(scheme: str) -> dict:
         "kv8": {"kv_cache_dtype": "int8"}, "kvf8": {"kv_cache_dtype": "fp8"}, "w8a16-kvf8": q("W8A16KVf8"),
         "wf8af8": q("Wf8Af8"),
         "native-q4_1-q8head": {"keep_gguf_quantization": True, "quantize_lm_head": True},
+        "native-q4_1-a8": q("W4A8", keep_gguf_quantization=True, quantize_lm_head=True),  # llama.cpp's numerics
+        "w4a8-g32": q("W4A8", quantization_group_size=32),
     }
     return table[scheme]
 

@@ -95,10 +95,10 @@ class EdfPackage:
 # re-measured). CUDA has no fxc kernels: everything is ATen there.
 # fxc::linear_f8 (fp8 weights, upcast in the kernel) is kept on CPU like linear_w8: its reference would upcast
 # and scale the whole weight on every call.
-# fxc::linear_w8a8 likewise (its reference unpacks the weight and runs an integer matmul on every call), and
-# fxc::linear_f8f8 (one C++ kernel: the per-token e4m3 rows and linear_f8's matmul).
-EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_f8f8",
-                                                  "linear_by_m", "paged_attention")}
+# fxc::linear_w8a8 and fxc::linear_w4a8 likewise (their references unpack the weight and run integer matmuls on every
+# call), and fxc::linear_f8f8 (one C++ kernel: the per-token e4m3 rows and linear_f8's matmul).
+EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_w4a8",
+                                                  "linear_f8f8", "linear_by_m", "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).
 # ``cpp.threads=1``: Inductor's own loops (the elementwise/reduction code around the extern
@@ -127,6 +127,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
     qlin = importlib.import_module("fxcompiler.ops.quant_linear")
     moe = importlib.import_module("fxcompiler.ops.moe")
     w8a8 = importlib.import_module("fxcompiler.ops.w8a8_linear")
+    w4a8 = importlib.import_module("fxcompiler.ops.w4a8_linear")
     f8lin = importlib.import_module("fxcompiler.ops.f8_linear")
     qemb = importlib.import_module("fxcompiler.ops.quant_embedding")
     ops = torch.ops.fxc
@@ -143,6 +144,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         ops.linear_w8.default: lin.linear_w8_reference,
         ops.linear_f8.default: qlin.linear_f8_reference,
         ops.linear_w8a8.default: w8a8.linear_w8a8_reference,
+        ops.linear_w4a8.default: w4a8.linear_w4a8_reference,
         ops.linear_f8f8.default: f8lin.linear_f8f8_composite,  # row quantization inlined, linear_f8 kept
         ops.linear_by_m.default: lin.linear_by_m_dense,
         ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined

@@ -20,6 +20,9 @@ never silently casts; see docs/quantization.md):
 * ``W8A8`` (furiosa's ``w_i8_a_i8``, KV cache bf16/fp32 or unset): ``fxc::linear_w8a8`` (int8 weights, a scale
   per output channel; each matmul's input quantized per token to int8 at run time, int32 dot products);
   the rest of the model runs in fp32;
+* ``W4A8`` (int4 weights as W4A16's, int8 activations): ``fxc::linear_w4a8``, each matmul's input quantized per
+  token and weight group to int8 at run time (llama.cpp's Q4_1 × Q8_1 numerics), int32 dot products; with
+  ``keep_gguf_quantization`` a GGUF's native int4 blocks run so too; the rest of the model runs in fp32;
 * ``...KV8`` / ``...KVf8`` (an int8 / fp8 e4m3 KV cache with any scheme above: ``W8A8KV8``, ``W4A16KVf8``,
   ``Wf8Af8KVf8``): the quantized paged KV cache (``kv_cache_dtype="int8"`` / ``"fp8"``).
 """
@@ -208,8 +211,9 @@ def parse_qformat_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 def supported_reason(config: QuantizationConfig) -> str | None:
     """None when fxcompiler executes ``config``; else why not (the NotImplementedError text)."""
-    if config.activation == QDtype.INT8 and config.weight != QDtype.INT8:
-        return (f"{config}: int8 activations are built with int8 weights only (W8A8: fxc::linear_w8a8)")
+    if config.activation == QDtype.INT8 and config.weight not in (QDtype.INT8, QDtype.INT4):
+        return (f"{config}: int8 activations are built with int8 or int4 weights only (W8A8: fxc::linear_w8a8, "
+                "W4A8: fxc::linear_w4a8)")
     if config.activation == QDtype.FP8 and config.weight != QDtype.FP8:
         return (f"{config}: fp8 activations are built with fp8 weights only (Wf8Af8: fxc::linear_f8f8); "
                 f"{config.weight.value} weights take bf16 or fp32 activations")

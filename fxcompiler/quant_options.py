@@ -4,7 +4,9 @@
   ``W8A32`` → int8 weights (per channel, or ``quantization_group_size``) with bf16 / fp32
   activations; ``W4A16`` / ``W4A32`` → int4 weights, group ``quantization_group_size`` (default 128);
   ``Wf8A16`` / ``Wf8A32`` → fp8 (e4m3) weights with a scale per output channel; ``W8A8`` → int8 weights per
-  channel with per-token int8 activations (``activation: int8``, ``fxc::linear_w8a8``; fp32 elsewhere);
+  channel with per-token int8 activations (``activation: int8``, ``fxc::linear_w8a8``; fp32 elsewhere); ``W4A8`` →
+  int4 weights as W4A16 (and a kept GGUF's int4 blocks) with int8 activations per token and weight group
+  (``fxc::linear_w4a8``);
   everything else raises ``NotImplementedError`` with the reason (:func:`quant_config.supported_reason`).
 * ``keep_gguf_quantization=True`` (a GGUF source, e.g. the embedded default): the checkpoint's
   Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks are used as they are (exact); other tensors stay as transformers
@@ -143,11 +145,15 @@ def quantization_options(quantization_config: QuantizationConfig | None, *, qfor
                                  "scale per output channel (use -1 or leave it unset)")
             opts = {"weight": "fp8", "group_size": -1}
     if opts and quantization_config is not None and quantization_config.activation == QDtype.INT8:
-        if opts.get("group_size", -1) != -1:
+        if quantization_config.weight == QDtype.INT4 and qformat is None:
+            if opts["group_size"] % 8:
+                raise ValueError(f"quantization_group_size={group_size} with W4A8: the activations are quantized per "
+                                 "weight group, whose size must be a multiple of 8 (32, 64, 128)")
+        elif opts.get("group_size", -1) != -1 and quantization_config.weight == QDtype.INT8:
             raise ValueError(f"quantization_group_size={group_size} with W8A8: int8 activations take one weight "
                              "scale per output channel (use -1 or leave it unset)")
         opts["activation"] = "int8"
-        _refuse_moe_activations(quantization_config, model_config, "int8-activation (W8A8) kernel; W8A8",
+        _refuse_moe_activations(quantization_config, model_config, "int8-activation (W8A8 / W4A8) kernel; it",
                                 "weight-only W8A16 / W4A16 / Wf8A16 build")
         if qformat is not None and qformat.metadata.get("algorithm") == "smoothquant":
             opts["smoothquant"] = True

@@ -16,8 +16,9 @@ the compile-cache key), absent or None = nothing to do:
   ``"native"`` → only the checkpoint's own quantized tensors (``gguf``), everything else kept;
 * ``activation``: ``"fp8"`` (Wf8Af8) → the fp8 matmuls become ``fxc::linear_f8f8`` (per-token e4m3 activations;
   any other weight raises). ``"int8"`` (W8A8) → the int8 per-channel matmuls become ``fxc::linear_w8a8`` (per-token
-  dynamic int8 activations); an int8 group size, int4 or fp8 with it raises; a GGUF's native blocks stay
-  weight-only. ``smoothquant``: the qparam must carry ``M.smooth_factor`` ``[K]`` for every quantized module
+  dynamic int8 activations; an int8 group size or fp8 with it raises), and the int4 ones, a GGUF's native int4
+  blocks included, ``fxc::linear_w4a8`` (W4A8: int8 activations per token and weight group; K and the group
+  multiples of 8, else it raises); a GGUF's native int8 blocks stay weight-only. ``smoothquant``: the qparam must carry ``M.smooth_factor`` ``[K]`` for every quantized module
   (recorded and checked, positive and finite; ``fxcompiler quantize`` has already folded them into the
   float weights it writes, :mod:`fxcompiler.smoothquant`);
 * ``symmetric`` (int4 only): Q4_0-style codes instead of Q4_1-style;
@@ -51,7 +52,9 @@ from torch.fx import GraphModule
 
 from fxcompiler.ops.linear import NB, _pad_rows, _panels, quantize_linear_weight_int8
 from fxcompiler.ops.w8a8_linear import pack_w8a8, quantize_w8a8_weight
-from fxcompiler.ops.quant_linear import pack_fp8, pack_int4, quantize_linear_weight_fp8, quantize_linear_weight_int4
+from fxcompiler.ops.quant_linear import (pack_fp8, pack_int4, quantize_linear_weight_fp8, quantize_linear_weight_int4,
+                                         unpack_int4)
+from fxcompiler.ops.w4a8_linear import pack_w4a8
 from fxcompiler.param_memory import HeapTrimmer
 from fxcompiler.pass_manager import CompileContext, PassError, PassResult, register_pass
 from fxcompiler.qparam import QParamSet as _QParams
@@ -137,6 +140,7 @@ class QuantizePass:
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
         cfg = self.config if self.config is not None else ctx.options.get("quantization")
+        self._cfg = cfg or {}
         if not cfg:
             return PassResult(gm, False, {"quantized": 0})
         weight = cfg.get("weight", "int8")
@@ -171,9 +175,10 @@ class QuantizePass:
                 continue
             kind, args = op
             with graph.inserting_before(site.out):
-                if kind == "w4":
+                if kind in ("w4", "w4a8"):
                     q, s, m, gs = args
-                    new = graph.call_function(torch.ops.fxc.linear_w4.default, (site.x, q, s, m, site.bias, site.n, gs))
+                    op4 = torch.ops.fxc.linear_w4.default if kind == "w4" else torch.ops.fxc.linear_w4a8.default
+                    new = graph.call_function(op4, (site.x, q, s, m, site.bias, site.n, gs))
                 elif kind == "w8a8":
                     q, s, su = args
                     new = graph.call_function(torch.ops.fxc.linear_w8a8.default, (site.x, q, s, su, site.bias, site.n))
@@ -282,8 +287,7 @@ class QuantizePass:
                 q, s = pack_fp8(codes, scales)
                 return f8_kind, self._add(gm, ctx, target, info, q=q, scales=s)
             if weight == "int4":
-                q, s, m = pack_int4(codes, scales, mins, group, compact=True)
-                return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
+                return self._int4(gm, ctx, target, info, cfg, codes, scales, mins, group)
             q, s, gs = pack_int8_codes(codes, scales)
             return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
         info["rtn"] += 1
@@ -293,8 +297,8 @@ class QuantizePass:
             q, s = quantize_linear_weight_fp8(w)
             return f8_kind, self._add(gm, ctx, target, info, q=q, scales=s)
         if weight == "int4":
-            q, s, m = quantize_linear_weight_int4(w, group, bool(scheme.get("symmetric", False)))
-            return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
+            q, s, m = unpack_int4(*quantize_linear_weight_int4(w, group, bool(scheme.get("symmetric", False))), site.n)
+            return self._int4(gm, ctx, target, info, cfg, q, s, m, group)
         if group > 0 and site.k % group:
             raise PassError(f"quantize: int8 group_size={group} does not divide K={site.k} of {target!r}; use a "
                             "divisor of K or -1 (per channel)")
@@ -310,11 +314,21 @@ class QuantizePass:
         scales = torch.cat([p.scales for p in parts], 0)
         if parts[0].bits == 4:
             mins = torch.cat([p.mins for p in parts], 0)
-            group = parts[0].group
-            q, s, m = pack_int4(codes, scales, mins, group, compact=True)
-            return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
+            return self._int4(gm, ctx, target, info, self._cfg, codes, scales, mins, parts[0].group)
         q, s, gs = pack_int8_codes(codes, scales)
         return "w8", self._add(gm, ctx, target, info, q=q, scales=s) + (gs,)
+
+    def _int4(self, gm, ctx, target, info, cfg, codes, scales, mins, group) -> tuple:
+        """``(kind, args)`` of int4 codes ``[N, K]`` with scales/mins ``[N, G]``: ``fxc::linear_w4``, or
+        ``fxc::linear_w4a8`` under int8 activations (``activation: int8``; K and the group multiples of 8)."""
+        if cfg.get("activation") == "int8":
+            if codes.shape[1] % 8 or group % 8:
+                raise PassError(f"quantize: W4A8 (fxc::linear_w4a8) needs K and the group size multiples of 8; "
+                                f"{target!r} has K={codes.shape[1]}, group_size={group}")
+            q, s, m = pack_w4a8(codes, scales, mins, group, compact=True)
+            return "w4a8", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
+        q, s, m = pack_int4(codes, scales, mins, group, compact=True)
+        return "w4", self._add(gm, ctx, target, info, q=q, scales=s, mins=m) + (group,)
 
     def _native_embeddings(self, gm, ctx, native, info) -> None:
         """Embedding lookups of a checkpoint's quantized table read its blocks (``fxc::embedding_w8`` /
@@ -338,6 +352,10 @@ class QuantizePass:
                 info["exact_checked"] += self._check_exact([part], w.t(), target)
                 self._by_native[name] = self._pack_native(gm, ctx, target, [part], info)
             kind, args = self._by_native[name]
+            if kind == "w4a8":  # the tied output's blocks are in W4A8's layout; the lookup reads fxc::linear_w4's
+                part = native.tensors[name]
+                kind, args = self._int4(gm, ctx, f"{target}.lookup", info, {}, part.codes, part.scales, part.mins,
+                                        part.group)
             op = torch.ops.fxc.embedding_w4.default if kind == "w4" else torch.ops.fxc.embedding_w8.default
             with graph.inserting_before(node):
                 new = graph.call_function(op, (ids, *args[:-1], int(w.shape[0]), args[-1]))
@@ -350,10 +368,11 @@ class QuantizePass:
     @staticmethod
     def _w8a8(cfg: dict, weight: str, group: int, target: str) -> bool:
         """True when this matmul takes int8 activations (``activation: int8``); raises for a scheme W8A8 lacks."""
-        if cfg.get("activation") != "int8":
+        if cfg.get("activation") != "int8" or weight == "int4":  # int4: W4A8, :meth:`_int4`
             return False
         if weight != "int8":
-            raise PassError(f"quantize: int8 activations (W8A8) need int8 weights, {target!r} has {weight}")
+            raise PassError(f"quantize: int8 activations need int8 (W8A8) or int4 (W4A8) weights, {target!r} has "
+                            f"{weight}")
         if group != -1:
             raise PassError(f"quantize: W8A8 weights have one scale per output channel, {target!r} has "
                             f"group_size={group}")

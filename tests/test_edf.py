@@ -98,8 +98,8 @@ def test_edf_packages_call_the_fxc_kernels(built):
     from fxcompiler.edf import EXTERN_OPS, extern_kernel_calls
 
     llm, edf_pipes, _, _ = built
-    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_f8f8", "linear_by_m",
-                                      "paged_attention"}
+    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_w4a8", "linear_f8f8",
+                                      "linear_by_m", "paged_attention"}
     p, e = next((p, e) for p, e in zip(llm.pipelines, edf_pipes) if not p.bucket.is_prefill)
     keys = [k for k, t in p.supertasks.items() if t.data_blob is not None]
     block_calls = None
@@ -145,8 +145,8 @@ def test_edf_extern_ops_policy_and_package_key():
     from fxcompiler import edf
     from fxcompiler.ops.linear import pack_linear_weight
 
-    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_f8f8", "linear_by_m",
-                                     "paged_attention")
+    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_w4a8", "linear_f8f8",
+                                     "linear_by_m", "paged_attention")
     assert edf.extern_ops("cuda") == ()
 
     class M(torch.nn.Module):
@@ -211,6 +211,23 @@ def test_edf_extern_ops_policy_and_package_key():
     for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), args):
         n.meta["val"] = v
     assert _fxc_calls(edf.aten_graph_module(gm, edf.extern_ops("cpu"))) == ["linear_w8a8"]
+    aten_only = edf.aten_graph_module(gm)
+    assert _fxc_calls(aten_only) == []
+    assert torch.equal(aten_only(*args)[0], gm(*args)[0])
+
+    # fxc::linear_w4a8 (W4A8) likewise
+    from fxcompiler.ops.quant_linear import quantize_linear_weight_int4, unpack_int4
+    from fxcompiler.ops.w4a8_linear import pack_w4a8
+
+    class W4A8(torch.nn.Module):
+        def forward(self, x, q, s, m):
+            return (torch.ops.fxc.linear_w4a8.default(x, q, s, m, None, 8, 8),)
+
+    gm = torch.fx.symbolic_trace(W4A8())
+    args = (torch.randn(3, 16), *pack_w4a8(*unpack_int4(*quantize_linear_weight_int4(torch.randn(8, 16), 8), 8), 8))
+    for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), args):
+        n.meta["val"] = v
+    assert _fxc_calls(edf.aten_graph_module(gm, edf.extern_ops("cpu"))) == ["linear_w4a8"]
     aten_only = edf.aten_graph_module(gm)
     assert _fxc_calls(aten_only) == []
     assert torch.equal(aten_only(*args)[0], gm(*args)[0])

@@ -55,7 +55,7 @@ def test_from_qformat_reads_furiosa_metadata_line(tmp_path):
 
 
 @pytest.mark.parametrize("cfg, match", [
-    (QuantizationConfig("int4", "int8"), "int8 activations are built with int8 weights only"),
+    (QuantizationConfig("fp8", "int8"), "int8 activations are built with int8 or int4 weights only"),
     (QuantizationConfig("int8", "fp8"), "W8Af8: fp8 activations are built with fp8 weights only"),
     (QuantizationConfig("int4", "fp8", "fp8"), "W4Af8KVf8: fp8 activations are built with fp8 weights only"),
 ])

@@ -198,7 +198,7 @@ def test_quantize_pass_w8a8_errors():
     inputs = testing.example_inputs(program, testing.TestBucket(1, 3, 0, 4))
     before = (get_pass("weight_layout"), get_pass("fuse_projections"))
     for cfg, match in (({"weight": "int8", "activation": "int8", "group_size": 8}, "one scale per output channel"),
-                       ({"weight": "int4", "activation": "int8"}, "need int8 weights")):
+                       ({"weight": "fp8", "activation": "int8"}, r"need int8 \(W8A8\) or int4 \(W4A8\) weights")):
         with pytest.raises(PassError, match=match):
             testing.assert_pass_preserves_semantics(QuantizePass(cfg), program, inputs, passes_before=before)
     info = testing.assert_pass_preserves_semantics(

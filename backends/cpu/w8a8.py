@@ -1,4 +1,4 @@
-"""CPU kernel of ``fxc::linear_w8a8`` (W8A8), from ``csrc/w8a8_kernels.cpp``.
+"""CPU kernels of ``fxc::linear_w8a8`` (W8A8) and ``fxc::linear_w4a8`` (W4A8), from ``csrc/w8a8_kernels.cpp``.
 
 Built on first use into its own cache entry (:func:`backends.cpu._build.load_op_library`) with
 ``-ffp-contract=off`` (the rescale is the reference's multiply, multiply, add). The kernel picks its
@@ -13,6 +13,7 @@ import threading
 
 import torch
 
+from fxcompiler.ops import w4a8_linear as _w4a8_ops
 from fxcompiler.ops import w8a8_linear as _ops
 
 from . import _build
@@ -30,7 +31,7 @@ def _load() -> str:
 def ensure_loaded() -> bool:
     """Build/load the W8A8 kernel once per process; True when it is active."""
     return _build.load_once(_state, _lock, _load,
-                            "fxcompiler W8A8 CPU kernel unavailable; fxc::linear_w8a8 runs its ATen reference") \
+                            "fxcompiler W8A8/W4A8 CPU kernel unavailable; fxc::linear_w8a8 and fxc::linear_w4a8 run their ATen references") \
         is not None
 
 
@@ -59,3 +60,4 @@ def available_paths() -> list[str]:
 
 
 _ops.set_w8a8_kernel_loader(ensure_loaded)
+_w4a8_ops.set_w4a8_kernel_loader(ensure_loaded)

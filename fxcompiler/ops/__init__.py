@@ -3,6 +3,7 @@ from . import linear  # noqa: F401  (fxc::linear, fxc::linear_w8)
 from . import collectives  # noqa: F401  (fxc::all_reduce, fxc::all_gather)
 from . import quant_linear  # noqa: F401  (fxc::linear_w4, fxc::linear_f8)
 from . import w8a8_linear  # noqa: F401  (fxc::linear_w8a8)
+from . import w4a8_linear  # noqa: F401  (fxc::linear_w4a8)
 from . import f8_linear  # noqa: F401  (fxc::linear_f8f8)
 from . import quant_embedding  # noqa: F401  (fxc::embedding_w8, fxc::embedding_w4)
 from .moe import moe, moe_reference

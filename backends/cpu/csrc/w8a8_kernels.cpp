@@ -26,6 +26,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -299,9 +300,371 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
+
+// ===================================================================================================
+// fxc::linear_w4a8: int4 weights (a scale and a min per group: fxc::linear_w4's values, GGUF Q4_0/Q4_1
+// exactly) times int8 activations quantized per row and weight group at run time (llama.cpp's Q4_1 x Q8_1
+// numerics). Schema, reference and packer: fxcompiler/ops/w4a8_linear.py. Layout (NB4 = 16 columns a panel,
+// P = ceil(N/16), G = ceil(K/gs), K and gs multiples of 8):
+//   w uint8 [P, K/8, 16, 4]: byte[p, c, j, t] = q[16p+j, 8c+t] | q[16p+j, 8c+4+t] << 4 (q in [0, 15]): one
+//     64-byte load holds 8 k of 16 columns, its low nibbles k 0-3 and its high nibbles k 4-7 of each column,
+//     the 4 consecutive k of a column in one dword as vpdpbusd / vpmaddubsw read them (weights are the
+//     unsigned side, activation codes the signed one: no offset, no sign trick);
+//   scales, mins float32 or float16 [P, G, 16].
+// Per row r and group g: amax, dx = amax / 127, qx = clamp(nearbyint(x * (127 / amax)), -127, 127) (fp32, as
+// the reference), xs = sum of the group's x (fp32); isum = sum_k q * qx (int32, exact);
+// out = sum over g in ascending order of fl(float(isum) * fl(s * dx)), then of fl(m * xs) (+ bias): each product
+// and sum rounded to fp32 as the reference's (built with -ffp-contract=off), so every path equals it bit for bit.
+// M <= 4 (decode) walks each thread's panels as up to 4 streams in lock step (the weight is read once);
+// larger M takes row blocks of 4 over two panels at a time, which then stay in L1.
+// ===================================================================================================
+constexpr int NB4 = 16;
+
+struct W4A8 {
+  const uint8_t* w;
+  const void* sc;
+  const void* mn;
+  bool half;
+  int64_t K, G, gs;
+  const int8_t* xq;   // [M, K]
+  const float* dx;    // [M, G]
+  const float* xs;    // [M, G]
+  int64_t panel_bytes() const { return K / 8 * 64; }
+  int64_t c0(int64_t g) const { return g * gs / 8; }
+  int64_t c1(int64_t g) const { return std::min(K, (g + 1) * gs) / 8; }
+};
+
+inline float scale_at(const void* base, bool half, int64_t i) {
+  return half ? c10::detail::fp16_ieee_to_fp32_value(static_cast<const uint16_t*>(base)[i])
+              : static_cast<const float*>(base)[i];
+}
+
+template <int R, int S>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void w4a8_avx512(
+    const W4A8& a, const int64_t* panels, int64_t r0, float* out) {
+  __m512 acc[S][R];
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) acc[s][r] = _mm512_setzero_ps();
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  const uint8_t* wp[S];
+  for (int s = 0; s < S; ++s) wp[s] = a.w + panels[s] * a.panel_bytes();
+  for (int64_t g = 0; g < a.G; ++g) {
+    __m512i is[S][R];
+    for (int s = 0; s < S; ++s)
+      for (int r = 0; r < R; ++r) is[s][r] = _mm512_setzero_si512();
+    for (int64_t c = a.c0(g), ce = a.c1(g); c < ce; ++c) {
+      __m512i x0[R], x1[R];
+      for (int r = 0; r < R; ++r) {
+        int32_t d0, d1;
+        std::memcpy(&d0, a.xq + (r0 + r) * a.K + 8 * c, 4);
+        std::memcpy(&d1, a.xq + (r0 + r) * a.K + 8 * c + 4, 4);
+        x0[r] = _mm512_set1_epi32(d0);
+        x1[r] = _mm512_set1_epi32(d1);
+      }
+      for (int s = 0; s < S; ++s) {
+        const uint8_t* wb = wp[s] + c * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wb) + 2048, _MM_HINT_T0);
+        const __m512i v = _mm512_loadu_si512(wb);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        for (int r = 0; r < R; ++r) {
+          is[s][r] = _mm512_dpbusd_epi32(is[s][r], lo, x0[r]);
+          is[s][r] = _mm512_dpbusd_epi32(is[s][r], hi, x1[r]);
+        }
+      }
+    }
+    for (int s = 0; s < S; ++s) {
+      const int64_t o = (panels[s] * a.G + g) * NB4;
+      __m512 sv, mv;
+      if (a.half) {
+        sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a.sc) + o)));
+        mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a.mn) + o)));
+      } else {
+        sv = _mm512_loadu_ps(static_cast<const float*>(a.sc) + o);
+        mv = _mm512_loadu_ps(static_cast<const float*>(a.mn) + o);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(a.dx[(r0 + r) * a.G + g]));
+        acc[s][r] = _mm512_add_ps(acc[s][r], _mm512_mul_ps(_mm512_cvtepi32_ps(is[s][r]), t));
+        acc[s][r] = _mm512_add_ps(acc[s][r], _mm512_mul_ps(mv, _mm512_set1_ps(a.xs[(r0 + r) * a.G + g])));
+      }
+    }
+  }
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + (s * R + r) * NB4, acc[s][r]);
+}
+
+// The other paths: a group's int32 sums of one row and one panel, then the same combination in scalar code.
+template <int P>
+void w4a8_isum(const uint8_t* wpan, const int8_t* xrow, int64_t c0, int64_t c1, int32_t* isum);
+
+template <>
+void w4a8_isum<kScalar>(const uint8_t* wpan, const int8_t* xrow, int64_t c0, int64_t c1, int32_t* isum) {
+  for (int j = 0; j < NB4; ++j) isum[j] = 0;
+  for (int64_t c = c0; c < c1; ++c)
+    for (int j = 0; j < NB4; ++j)
+      for (int t = 0; t < 4; ++t) {
+        const uint8_t b = wpan[c * 64 + 4 * j + t];
+        isum[j] += (b & 0x0F) * xrow[8 * c + t] + (b >> 4) * xrow[8 * c + 4 + t];
+      }
+}
+
+template <>
+__attribute__((target("avx2"))) void w4a8_isum<kAvx2>(const uint8_t* wpan, const int8_t* xrow, int64_t c0,
+                                                      int64_t c1, int32_t* isum) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+  const __m256i m4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int64_t c = c0; c < c1; ++c) {
+    int32_t d0, d1;
+    std::memcpy(&d0, xrow + 8 * c, 4);
+    std::memcpy(&d1, xrow + 8 * c + 4, 4);
+    const __m256i x0 = _mm256_set1_epi32(d0), x1 = _mm256_set1_epi32(d1);
+    for (int v = 0; v < 2; ++v) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wpan + c * 64 + 32 * v));
+      const __m256i lo = _mm256_and_si256(w, m4), hi = _mm256_and_si256(_mm256_srli_epi16(w, 4), m4);
+      // unsigned codes <= 15 times signed <= 127 in magnitude: a pair is at most 3810, no saturation
+      const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, x0), _mm256_maddubs_epi16(hi, x1));
+      (v ? a1 : a0) = _mm256_add_epi32(v ? a1 : a0, _mm256_madd_epi16(p, ones));
+    }
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum), a0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + 8), a1);
+}
+
+template <>
+__attribute__((target("avx2,avxvnni"))) void w4a8_isum<kAvxVnni>(const uint8_t* wpan, const int8_t* xrow, int64_t c0,
+                                                                 int64_t c1, int32_t* isum) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = _mm256_setzero_si256();
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t c = c0; c < c1; ++c) {
+    int32_t d0, d1;
+    std::memcpy(&d0, xrow + 8 * c, 4);
+    std::memcpy(&d1, xrow + 8 * c + 4, 4);
+    const __m256i x0 = _mm256_set1_epi32(d0), x1 = _mm256_set1_epi32(d1);
+    const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wpan + c * 64));
+    const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wpan + c * 64 + 32));
+    a0 = _mm256_dpbusd_avx_epi32(a0, _mm256_and_si256(w0, m4), x0);
+    a0 = _mm256_dpbusd_avx_epi32(a0, _mm256_and_si256(_mm256_srli_epi16(w0, 4), m4), x1);
+    a1 = _mm256_dpbusd_avx_epi32(a1, _mm256_and_si256(w1, m4), x0);
+    a1 = _mm256_dpbusd_avx_epi32(a1, _mm256_and_si256(_mm256_srli_epi16(w1, 4), m4), x1);
+  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum), a0);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(isum + 8), a1);
+}
+
+void w4a8_generic(int path, const W4A8& a, int64_t p, int64_t r, float* out) {
+  const uint8_t* wpan = a.w + p * a.panel_bytes();
+  const int8_t* xrow = a.xq + r * a.K;
+  float acc[NB4] = {};
+  int32_t isum[NB4];
+  for (int64_t g = 0; g < a.G; ++g) {
+    const int64_t c0 = a.c0(g), c1 = a.c1(g);
+    switch (path) {
+      case kAvx2: w4a8_isum<kAvx2>(wpan, xrow, c0, c1, isum); break;
+      case kAvxVnni: w4a8_isum<kAvxVnni>(wpan, xrow, c0, c1, isum); break;
+      default: w4a8_isum<kScalar>(wpan, xrow, c0, c1, isum); break;
+    }
+    const float d = a.dx[r * a.G + g], xs = a.xs[r * a.G + g];
+    for (int j = 0; j < NB4; ++j) {
+      const int64_t o = (p * a.G + g) * NB4 + j;
+      acc[j] = acc[j] + static_cast<float>(isum[j]) * (scale_at(a.sc, a.half, o) * d);
+      acc[j] = acc[j] + scale_at(a.mn, a.half, o) * xs;
+    }
+  }
+  std::memcpy(out, acc, sizeof(acc));
+}
+
+// One row: per group dx = amax / 127, codes clamp(nearbyint(x * (127 / amax)), -127, 127), xs = sum of x.
+void w4a8_quantize_row(const float* x, int64_t K, int64_t G, int64_t gs, int8_t* q, float* dx, float* xs) {
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * gs, k1 = std::min(K, k0 + gs);
+    float amax = 0.f, sum = 0.f;
+    for (int64_t k = k0; k < k1; ++k) {
+      amax = std::max(amax, std::fabs(x[k]));
+      sum += x[k];
+    }
+    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+    dx[g] = amax / 127.0f;
+    xs[g] = sum;
+    for (int64_t k = k0; k < k1; ++k) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(x[k] * inv)));
+      q[k] = static_cast<int8_t>(static_cast<int>(v));
+    }
+  }
+}
+
+// The same with AVX-512: the amax from 16-lane maxima (exact), the sum in k order as the scalar loop's, the codes
+// by vroundps to nearest even (as nearbyint) and a saturating pack.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void w4a8_quantize_row_avx512(
+    const float* x, int64_t K, int64_t G, int64_t gs, int8_t* q, float* dx, float* xs) {
+  if (gs % 16) return w4a8_quantize_row(x, K, G, gs, q, dx, xs);
+  const __m512 lim = _mm512_set1_ps(127.f), nlim = _mm512_set1_ps(-127.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t k0 = g * gs, k1 = std::min(K, k0 + gs);
+    if ((k1 - k0) % 16) {
+      w4a8_quantize_row(x + k0, k1 - k0, 1, k1 - k0, q + k0, dx + g, xs + g);
+      continue;
+    }
+    __m512 am = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; k += 16) am = _mm512_max_ps(am, _mm512_abs_ps(_mm512_loadu_ps(x + k)));
+    float sum = 0.f;
+    for (int64_t k = k0; k < k1; ++k) sum += x[k];
+    const float amax = _mm512_reduce_max_ps(am);
+    const float inv = amax > 0.f ? 127.0f / amax : 0.f;
+    dx[g] = amax / 127.0f;
+    xs[g] = sum;
+    const __m512 iv = _mm512_set1_ps(inv);
+    for (int64_t k = k0; k < k1; k += 16) {
+      const __m512 v = _mm512_min_ps(lim, _mm512_max_ps(nlim, _mm512_roundscale_ps(
+          _mm512_mul_ps(_mm512_loadu_ps(x + k), iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + k), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(v)));
+    }
+  }
+}
+
+template <int R, int S>
+void w4a8_block(int path, const W4A8& a, const int64_t* panels, int64_t r0, float* out) {
+  if (path == kAvx512Vnni) {
+    w4a8_avx512<R, S>(a, panels, r0, out);
+    return;
+  }
+  for (int s = 0; s < S; ++s)
+    for (int r = 0; r < R; ++r) w4a8_generic(path, a, panels[s], r0 + r, out + (s * R + r) * NB4);
+}
+
+template <int R, int S>
+void w4a8_rows(int rows, int path, const W4A8& a, const int64_t* panels, int64_t r0, float* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return w4a8_rows<R - 1, S>(rows, path, a, panels, r0, out);
+  }
+  w4a8_block<R, S>(path, a, panels, r0, out);
+}
+
+at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fxc::linear_w4a8: CPU tensors expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "fxc::linear_w4a8: x must be float32 or bfloat16, got ", x.scalar_type());
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K <= (int64_t{1} << 20), "fxc::linear_w4a8: K=", K, " > 2^20 (the int32 group sums could overflow)");
+  TORCH_CHECK(K % 8 == 0 && group_size > 0 && group_size % 8 == 0,
+              "fxc::linear_w4a8: K and group_size must be multiples of 8, got K=", K, ", group_size=", group_size);
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 4 && w.size(1) == K / 8 && w.size(2) == NB4 &&
+                  w.size(3) == 4 && w.is_contiguous(),
+              "fxc::linear_w4a8: packed weight must be contiguous uint8 [P, K/8, 16, 4] with K/8=", K / 8, ", got ",
+              w.sizes());
+  const int64_t P = w.size(0), G = (K + group_size - 1) / group_size;
+  TORCH_CHECK(n >= 0 && n <= P * NB4, "fxc::linear_w4a8: n=", n, " larger than the packed panels");
+  TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
+                  (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
+              "fxc::linear_w4a8: scales and mins must both be float32 or both float16, got ", scales.scalar_type(),
+              " and ", mins.scalar_type());
+  for (const at::Tensor* t : {&scales, &mins})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == P && t->size(1) == G && t->size(2) == NB4 && t->is_contiguous(),
+                "fxc::linear_w4a8: scales/mins must be contiguous [P, G, 16] = [", P, ", ", G, ", 16], got ",
+                t->sizes());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = n;
+  at::Tensor out = at::empty(out_shape, x.options());
+  const int64_t M = K ? x.numel() / K : 0;
+  if (out.numel() == 0) return out;
+  std::vector<float> bf;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "fxc::linear_w4a8: bias must be [n]");
+    at::Tensor b = bias->to(at::kFloat).contiguous();
+    bf.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
+  }
+  if (K == 0) {
+    out.zero_();
+    if (!bf.empty()) out.add_(bias->to(x.scalar_type()));
+    return out;
+  }
+  at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const float* xp = xf.data_ptr<float>();
+  // the caller's scratch, reused across calls (no allocation or zeroing on the decode path)
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> dx, xs;
+  if (xq.size() < static_cast<size_t>(M * K)) xq.resize(static_cast<size_t>(M * K));
+  if (dx.size() < static_cast<size_t>(M * G)) {
+    dx.resize(static_cast<size_t>(M * G));
+    xs.resize(static_cast<size_t>(M * G));
+  }
+  const int path = path_ref().load();
+  int8_t* xqp = xq.data();
+  float* dxp = dx.data();
+  float* xsp = xs.data();
+  auto quantize = [&](int64_t r) {
+    if (path == kAvx512Vnni)
+      w4a8_quantize_row_avx512(xp + r * K, K, G, group_size, xqp + r * K, dxp + r * G, xsp + r * G);
+    else
+      w4a8_quantize_row(xp + r * K, K, G, group_size, xqp + r * K, dxp + r * G, xsp + r * G);
+  };
+  if (M <= 4) {
+    for (int64_t r = 0; r < M; ++r) quantize(r);
+  } else {
+    at::parallel_for(0, M, 16, [&](int64_t b, int64_t e) {
+      for (int64_t r = b; r < e; ++r) quantize(r);
+    });
+  }
+  const W4A8 a{w.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf,
+               K, G, group_size, xqp, dxp, xsp};
+  const bool out_bf16 = x.scalar_type() == at::kBFloat16;
+  float* of = out_bf16 ? nullptr : out.data_ptr<float>();
+  c10::BFloat16* ob = out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
+  auto emit = [&](int64_t p, int64_t r0, int rows, const float* res) {
+    const int64_t cols = std::min<int64_t>(NB4, n - p * NB4);
+    for (int r = 0; r < rows; ++r)
+      for (int64_t j = 0; j < cols; ++j) {
+        float v = res[r * NB4 + j];
+        if (!bf.empty()) v += bf[p * NB4 + j];
+        const int64_t o = (r0 + r) * n + p * NB4 + j;
+        if (out_bf16) ob[o] = c10::BFloat16(v);
+        else of[o] = v;
+      }
+  };
+  if (M <= 4) {
+    const int rows = static_cast<int>(M);
+    at::parallel_for(0, P, 4, [&](int64_t b, int64_t e) {
+      alignas(64) float res[4 * 4 * NB4];
+      const int64_t cnt = e - b, S = rows <= 2 ? 4 : 2;
+      const int64_t ss = std::min<int64_t>(S, cnt), base = cnt / ss;
+      for (int64_t i = 0; i < base; ++i) {  // ss sub-ranges of base panels walked in lock step
+        int64_t ps[4];
+        for (int64_t s = 0; s < ss; ++s) ps[s] = b + s * base + i;
+        if (ss == 4) w4a8_rows<2, 4>(rows, path, a, ps, 0, res);
+        else if (ss == 3) w4a8_rows<4, 3>(rows, path, a, ps, 0, res);
+        else if (ss == 2) w4a8_rows<4, 2>(rows, path, a, ps, 0, res);
+        else w4a8_rows<4, 1>(rows, path, a, ps, 0, res);
+        for (int64_t s = 0; s < ss; ++s) emit(ps[s], 0, rows, res + s * rows * NB4);
+      }
+      for (int64_t p = b + base * ss; p < e; ++p) {
+        w4a8_rows<4, 1>(rows, path, a, &p, 0, res);
+        emit(p, 0, rows, res);
+      }
+    });
+    return out;
+  }
+  at::parallel_for(0, (P + 1) / 2, 1, [&](int64_t b, int64_t e) {
+    alignas(64) float res[2 * 4 * NB4];
+    for (int64_t pp = b; pp < e; ++pp) {
+      int64_t ps[2] = {2 * pp, 2 * pp + 1};
+      const bool two = ps[1] < P;
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, M - r0));
+        if (two) w4a8_rows<4, 2>(rows, path, a, ps, r0, res);
+        else w4a8_rows<4, 1>(rows, path, a, ps, r0, res);
+        for (int s = 0; s < (two ? 2 : 1); ++s) emit(ps[s], r0, rows, res + s * rows * NB4);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace fxcw8a8
 
 TORCH_LIBRARY_FRAGMENT(fxc, m) { m.def("_w8a8_path(int want) -> int", &fxcw8a8::w8a8_path); }
 
-TORCH_LIBRARY_IMPL(fxc, CPU, m) { m.impl("linear_w8a8", &fxcw8a8::linear_w8a8); }
+TORCH_LIBRARY_IMPL(fxc, CPU, m) {
+  m.impl("linear_w8a8", &fxcw8a8::linear_w8a8);
+  m.impl("linear_w4a8", &fxcw8a8::linear_w4a8);
+}
