@@ -190,7 +190,7 @@ def _w4a8_eager(model, group):
     return model
 
 
-def test_llm_w4a8_runs_linear_w4a8_like_the_eager_model(tiny_models):
+def test_llm_w4a8_runs_linear_w4a8_like_the_eager_model(tiny_models, tmp_path):
     """``llm_config.quantization_config=W4A8``: every projection but lm_head is one fxc::linear_w4a8 node, and the
     engine's prompt logprobs are near the eager W4A8 model's and far closer to them than to the float model's.
     Not to 2e-3 as W8A8's: on this random tiny model the per-group activation codes turn fp32-ulp differences of
@@ -200,7 +200,8 @@ def test_llm_w4a8_runs_linear_w4a8_like_the_eager_model(tiny_models):
     from fxcompiler import LLM, LLMConfig
 
     llm = LLM(str(tiny_models["llama"]), max_seq_len_to_capture=64, cache_dir=None, quantization_group_size=32,
-              llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W4A8")))
+              llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W4A8")),
+              artifacts_export_path=tmp_path / "art")
     try:
         info = next(h for h in llm.pass_history if h["pass"] == "quantize")
         assert info["ops"] == {"w4a8": 8} and info["kept"] == 1
@@ -215,6 +216,21 @@ def test_llm_w4a8_runs_linear_w4a8_like_the_eager_model(tiny_models):
         off = torch.tensor([a - b for a, b in zip(got, want)])
         assert off.abs().max() < 0.1
         assert off.norm() < 0.5 * torch.tensor([a - b for a, b in zip(got, floats)]).norm()
+        # the artifact stores the packed W4A8 weights and loads back to the same outputs
+        from fxcompiler import SamplingParams
+
+        sp = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+        prompts = [[5, 17, 33, 2], [9, 8, 7]]
+        expected = [o.outputs[0].token_ids for o in llm.generate(None, sp, prompt_token_ids=prompts)]
+        loaded = LLM.load_artifact(tmp_path / "art", cache_dir=None)
+        try:
+            import json
+
+            manifest = json.loads((tmp_path / "art" / "artifact.json").read_text())
+            assert manifest["settings"]["quantization"]["scheme"] == "W4A8"
+            assert [o.outputs[0].token_ids for o in loaded.generate(None, sp, prompt_token_ids=prompts)] == expected
+        finally:
+            loaded.shutdown()
     finally:
         llm.shutdown()
 

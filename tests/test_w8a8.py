@@ -222,6 +222,12 @@ def test_avx2_build_and_path_in_a_subprocess():
             "    w, x = torch.randn(n, k), torch.randn(m, k)\n"
             "    p, s, su = quantize_w8a8_weight(w)\n"
             "    assert torch.equal(linear_w8a8(x, p, s, su, None, n), linear_w8a8_reference(x, p, s, su, None, n))\n"
+            "from fxcompiler.ops.w4a8_linear import linear_w4a8, linear_w4a8_reference, pack_w4a8\n"
+            "from fxcompiler.ops.quant_linear import quantize_linear_weight_int4, unpack_int4\n"
+            "for m, k, n in ((1, 64, 33), (9, 96, 48)):\n"  # the W4A8 kernel of the same library
+            "    w, x = torch.randn(n, k), torch.randn(m, k)\n"
+            "    P = pack_w4a8(*unpack_int4(*quantize_linear_weight_int4(w, 32), n), 32)\n"
+            "    assert torch.equal(linear_w4a8(x, *P, None, n, 32), linear_w4a8_reference(x, *P, None, n, 32))\n"
             "print('ok', w8a8.path())\n")
     env = {k: v for k, v in os.environ.items() if k not in ("FXCOMPILER_CPU_ISA", "FXCOMPILER_W8A8_PATH")}
     env.update(FXCOMPILER_CPU_ISA="avx2", FXCOMPILER_W8A8_PATH="avx2",

@@ -625,21 +625,29 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     const int rows = static_cast<int>(M);
     at::parallel_for(0, P, 4, [&](int64_t b, int64_t e) {
       alignas(64) float res[4 * 4 * NB4];
-      const int64_t cnt = e - b, S = rows <= 2 ? 4 : 2;
-      const int64_t ss = std::min<int64_t>(S, cnt), base = cnt / ss;
-      for (int64_t i = 0; i < base; ++i) {  // ss sub-ranges of base panels walked in lock step
-        int64_t ps[4];
-        for (int64_t s = 0; s < ss; ++s) ps[s] = b + s * base + i;
-        if (ss == 4) w4a8_rows<2, 4>(rows, path, a, ps, 0, res);
-        else if (ss == 3) w4a8_rows<4, 3>(rows, path, a, ps, 0, res);
-        else if (ss == 2) w4a8_rows<4, 2>(rows, path, a, ps, 0, res);
-        else w4a8_rows<4, 1>(rows, path, a, ps, 0, res);
-        for (int64_t s = 0; s < ss; ++s) emit(ps[s], 0, rows, res + s * rows * NB4);
-      }
-      for (int64_t p = b + base * ss; p < e; ++p) {
-        w4a8_rows<4, 1>(rows, path, a, &p, 0, res);
-        emit(p, 0, rows, res);
-      }
+      // ss sub-ranges of base panels walked in lock step (ss chosen so that no panel is left to run alone where
+      // that can be avoided: one panel's accumulator chains wait on latency), the leftover panels as one more group
+      auto lockstep = [&](int64_t p0, int64_t ss, int64_t base) {
+        for (int64_t i = 0; i < base; ++i) {
+          int64_t ps[4];
+          for (int64_t s = 0; s < ss; ++s) ps[s] = p0 + s * base + i;
+          if (ss == 4) w4a8_rows<2, 4>(rows, path, a, ps, 0, res);
+          else if (ss == 3) w4a8_rows<2, 3>(rows, path, a, ps, 0, res);
+          else if (ss == 2) w4a8_rows<4, 2>(rows, path, a, ps, 0, res);
+          else w4a8_rows<4, 1>(rows, path, a, ps, 0, res);
+          for (int64_t s = 0; s < ss; ++s) emit(ps[s], 0, rows, res + s * rows * NB4);
+        }
+      };
+      const int64_t cnt = e - b, S = std::min<int64_t>(rows <= 2 ? 4 : 2, cnt);
+      int64_t ss = S;
+      for (int64_t c = S; c >= 2; --c)
+        if (cnt % c != 1) {
+          ss = c;
+          break;
+        }
+      const int64_t base = cnt / ss, rem = cnt % ss;
+      lockstep(b, ss, base);
+      if (rem > 0) lockstep(b + base * ss, rem, 1);  // rem < ss <= S: 3 streams only where rows <= 2
     });
     return out;
   }
