@@ -18,9 +18,9 @@ the compile-cache key), absent or None = nothing to do:
   any other weight raises). ``"int8"`` (W8A8) → the int8 per-channel matmuls become ``fxc::linear_w8a8`` (per-token
   dynamic int8 activations; an int8 group size or fp8 with it raises), and the int4 ones, a GGUF's native int4
   blocks included, ``fxc::linear_w4a8`` (W4A8: int8 activations per token and weight group; K and the group
-  multiples of 8, else it raises); a GGUF's native int8 blocks stay weight-only. ``smoothquant``: the qparam must carry ``M.smooth_factor`` ``[K]`` for every quantized module
-  (recorded and checked, positive and finite; ``fxcompiler quantize`` has already folded them into the
-  float weights it writes, :mod:`fxcompiler.smoothquant`);
+  multiples of 8, else it raises); a GGUF's native int8 blocks stay weight-only. ``smoothquant``: the qparam
+  must carry ``M.smooth_factor`` ``[K]`` for every quantized module (recorded and checked, positive and finite;
+  ``fxcompiler quantize`` has already folded them into the float weights it writes, :mod:`fxcompiler.smoothquant`);
 * ``symmetric`` (int4 only): Q4_0-style codes instead of Q4_1-style;
 * ``lm_head``: ``True``: also quantize the output projection (the tied embedding's ``lm_head``) to int8 —
   per channel, or the GGUF's own blocks of the embedding (Q8_0, Q6_K, Q4_K, ...), as llama.cpp computes it;
@@ -37,7 +37,7 @@ Ensures: each rewritten matmul (``+ bias``) computes ``x @ dequant(Wq)`` with fp
 order; with RTN the weight error per value is at most half a quantization step (scale/2; fp8: half an e4m3 ulp,
 ``max(|w|/16, scale/1024)``).
 Signature: each rewritten weight ``W`` becomes parameter inputs ``<W>.q``, ``<W>.scales`` (and
-``<W>.mins`` for int4; W8A8: ``<W>.q``, ``<W>.scales``, ``<W>.sums``); ``W`` is dropped unless something else reads it.
+``<W>.mins`` for int4, W4A8 too; W8A8: ``<W>.q``, ``<W>.scales``, ``<W>.sums``); ``W`` is dropped unless something else reads it.
 With ``gguf``, an ``aten.embedding`` of an fp32 table the GGUF holds natively (a tied ``token_embd``) becomes
 ``fxc::embedding_w8`` / ``fxc::embedding_w4`` over the table's blocks in the linear layouts (the output
 projection's own tensors when it runs on them, else ``<table>.q`` ...), checked exact like the matmuls; no

@@ -3,8 +3,8 @@
 The kernel's int32 sums are exact, its activation codes are the reference's (same fp32 division and rounding)
 and its fp32 products and sums are the reference's in the same order, so every kernel path (AVX-512 VNNI,
 AVX-VNNI, AVX2, scalar: whichever this CPU runs, each in process) equals the ATen reference bit for bit; the
-reference stays within the documented activation-rounding bound of the float product. Then: packing, the quantize pass and the LLM on tiny models,
-bad inputs.
+reference stays within the documented activation-rounding bound of the float product. Then: packing, the quantize
+pass and the LLM on tiny models, bad inputs.
 """
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def test_kernel_on_decode_and_prefill_shapes_is_near_the_float_product():
         exact = x @ dequantize_w4a8_weight(*packed, n, 32).t()
         ref = linear_w4a8_reference(x, *packed, None, n, 32)
         bound = error_bound(x, *packed, n, 32)
-        assert bool(((ref - exact).abs() <= bound + 1e-4 * (x.abs() @ dequantize_w4a8_weight(*packed, n, 32).abs().t())).all())
+        w_abs = dequantize_w4a8_weight(*packed, n, 32).abs()
+        assert bool(((ref - exact).abs() <= bound + 1e-4 * (x.abs() @ w_abs.t())).all())
         assert (ref - exact).abs().max() > 1e-4  # activations quantized
         assert (ref - exact).norm() / exact.norm() < 0.05  # int8 codes of every 32-group
 
@@ -162,8 +163,9 @@ def test_quantize_pass_emits_w4a8_and_refuses_what_it_cannot_pack():
     # the values: test_llm_w4a8_runs_linear_w4a8_like_the_eager_model
     assert info["ops"] == {"w4a8": 4, "w8a8": 1} and info["kept"] == 0
     with pytest.raises(PassError, match="W4A8 .* multiples of 8; .* group_size=12"):
-        testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int4", "activation": "int8", "group_size": 12}),
-                                                program, inputs, passes_before=before)
+        testing.assert_pass_preserves_semantics(
+            QuantizePass({"weight": "int4", "activation": "int8", "group_size": 12}), program, inputs,
+            passes_before=before)
     # without int8 activations the same scheme stays weight-only
     info = testing.assert_pass_preserves_semantics(QuantizePass({"weight": "int4", "group_size": 16}), program, inputs,
                                                    rtol=0.5, atol=1.0, passes_before=before)

@@ -381,8 +381,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void w4
       const int64_t o = (panels[s] * a.G + g) * NB4;
       __m512 sv, mv;
       if (a.half) {
-        sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a.sc) + o)));
-        mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(a.mn) + o)));
+        const uint16_t* sh = static_cast<const uint16_t*>(a.sc) + o;
+        const uint16_t* mh = static_cast<const uint16_t*>(a.mn) + o;
+        sv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sh)));
+        mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mh)));
       } else {
         sv = _mm512_loadu_ps(static_cast<const float*>(a.sc) + o);
         mv = _mm512_loadu_ps(static_cast<const float*>(a.mn) + o);
