@@ -415,7 +415,8 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("output", metavar="OUT", help="directory to create (must not exist or be empty)")
     qz.add_argument("--scheme", required=True,
                     help="w8a16 | w4a16-g32 | w4a16-g64 | w4a16-g128 | fp8 (= wf8a16) | wf8af8 (fp8 weights and "
-                         "per-token fp8 activations) | w8a8, each optionally +kv8 / +kvf8 (e.g. w8a16+kv8: int8 KV "
+                         "per-token fp8 activations) | w8a8 | w4a8-g32 | w4a8-g64 | w4a8-g128 (int4 weights, int8 "
+                         "activations per token and group), each optionally +kv8 / +kvf8 (e.g. w8a16+kv8: int8 KV "
                          "cache with calibrated static scales; +kvf8: fp8 e4m3), or kv8 / kvf8 alone")
     qz.add_argument("--algorithm", default="rtn", help="rtn | gptq | smoothquant (w8a8 only)")
     qz.add_argument("--smoothquant-alpha", type=float, default=0.5,

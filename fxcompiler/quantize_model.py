@@ -17,7 +17,8 @@ activations at run time: ``fxc::linear_f8f8``; the qformat says ``--act_dtype fp
 the model runs in fp32 as W8A8), and ``w8a8`` (int8 weights per channel, per-token int8 activations at run time:
 ``fxc::linear_w8a8``) with RTN, GPTQ or ``smoothquant`` (:mod:`fxcompiler.smoothquant`: factors from the
 calibration windows, folded into the RMSNorm and linear weights OUT's safetensors then hold, recorded as
-``M.smooth_factor``; then RTN).
+``M.smooth_factor``; then RTN), and ``w4a8-g{32,64,128}`` (the ``w4a16`` weights, RTN or GPTQ, with int8
+activations per token and weight group at run time: ``fxc::linear_w4a8``; the rest of the model in fp32).
 
 ``kv8`` / ``kvf8`` (alone, or after a weight scheme: ``w8a16+kv8``, ``wf8af8+kvf8``) adds
 ``kv_cache_scales.json``: static per-layer, per-KV-head scales of an int8 / fp8 e4m3 KV cache
@@ -47,8 +48,8 @@ from .quant_options import QFORMAT_FILE, QPARAM_FILE
 __all__ = ["RECIPE_FILE", "parse_scheme", "quantize_model"]
 
 RECIPE_FILE = "quantization_recipe.json"
-_BUILT = ("w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16), wf8af8, w8a8, each optionally +kv8 or +kvf8, "
-          "or kv8 / kvf8 alone")
+_BUILT = ("w8a16, w4a16-g32, w4a16-g64, w4a16-g128, fp8 (= wf8a16), wf8af8, w8a8, w4a8-g32, w4a8-g64, w4a8-g128, "
+          "each optionally +kv8 or +kvf8, or kv8 / kvf8 alone")
 _KV_SCHEMES = {"kv8": "int8", "kvf8": "fp8"}  # KV-cache scheme -> kv_cache_dtype
 
 
@@ -67,8 +68,8 @@ def split_scheme(scheme: str) -> tuple[str | None, str | None]:
 
 
 def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
-    """``w8a16`` | ``w4a16-g{32,64,128}`` | ``fp8`` / ``wf8a16`` | ``wf8af8`` | ``w8a8`` → (config, the modules'
-    scheme)."""
+    """``w8a16`` | ``w4a16-g{32,64,128}`` | ``fp8`` / ``wf8a16`` | ``wf8af8`` | ``w8a8`` | ``w4a8-g{32,64,128}`` →
+    (config, the modules' scheme)."""
     s = scheme.strip().lower()
     if s == "w8a16":
         return QuantizationConfig.w_i8_a_16(), ModuleScheme("int8", -1, True)
@@ -81,6 +82,9 @@ def parse_scheme(scheme: str) -> tuple[QuantizationConfig, ModuleScheme]:
     m = re.fullmatch(r"w4a16-g(32|64|128)", s)
     if m:
         return QuantizationConfig.w_4_a_16(), ModuleScheme("int4", int(m.group(1)), False)
+    m = re.fullmatch(r"w4a8-g(32|64|128)", s)  # int8 activations per token and group (fxc::linear_w4a8)
+    if m:
+        return QuantizationConfig("int4", "int8"), ModuleScheme("int4", int(m.group(1)), False)
     if s in _KV_SCHEMES:
         raise ValueError(f"{s} is a KV-cache scheme, not a weight scheme: quantize_model(..., {s!r}) or "
                          f"'<weight scheme>+{s}' (split_scheme)")
@@ -182,6 +186,9 @@ def quantize_model(model: str, out: str | os.PathLike, scheme: str, *, algorithm
     if algorithm == "smoothquant":
         if config_q.activation.value != "int8":
             raise ValueError(f"--algorithm smoothquant needs int8 activations (--scheme w8a8), got --scheme {scheme}")
+        if config_q.weight.value != "int8":
+            raise ValueError(f"--algorithm smoothquant is built for int8 weights per channel (--scheme w8a8), got "
+                             f"--scheme {scheme}")
         from .smoothquant import check_alpha
 
         smoothquant_alpha = check_alpha(smoothquant_alpha)

@@ -72,6 +72,39 @@ def test_quantized_directory_loads_and_matches_rtn(tiny_models, tmp_path, capsys
     llm.shutdown()
 
 
+def test_w4a8_directory_loads_with_int8_activations_and_the_file_codes(tiny_models, tmp_path, capsys):
+    """``--scheme w4a8-g32``: the qformat says int4 weights with int8 activations; LLM(OUT) runs fxc::linear_w4a8 on
+    exactly the file's codes, scales and mins. SmoothQuant is refused for it (int8 weights per channel only)."""
+    from fxcompiler.ops.w4a8_linear import unpack_w4a8
+
+    out = tmp_path / "w4a8"
+    assert main(["quantize", str(tiny_models["llama"]), str(out), "--scheme", "w4a8-g32"]) == 0
+    assert json.loads((out / "quantization_recipe.json").read_text())["config"] == "W4A8"
+    assert (out / "qformat.yaml").read_text().startswith("--weight_dtype int4 --act_dtype int8")
+    assert main(["quantize", str(tiny_models["llama"]), str(tmp_path / "sq"), "--scheme", "w4a8-g32",
+                 "--algorithm", "smoothquant"]) == 2
+    assert "smoothquant is built for int8 weights per channel" in capsys.readouterr().err
+    llm = LLM(str(out), max_seq_len_to_capture=64, cache_dir=None)
+    try:
+        info = next(h for h in llm.pass_history if h["pass"] == "quantize")
+        assert info["from_qparam"] == 8 and info["ops"] == {"w4a8": 8} and info["kept"] == 1
+        assert llm.quantization["scheme"].startswith("W4A8")
+        from safetensors.torch import load_file
+
+        qp = load_file(str(out / "qparam.safetensors"))
+        module = "model.layers.1.mlp.down_proj"
+        base = next(k for k in llm._build.params if module.removeprefix("model.") in k and k.endswith(".q"))[:-2]
+        q, s, m = unpack_w4a8(llm._build.params[base + ".q"], llm._build.params[base + ".scales"],
+                              llm._build.params[base + ".mins"], 64)
+        assert torch.equal(q, qp[f"{module}.qweight"]) and torch.equal(s.float(), qp[f"{module}.weight_scale"])
+        assert torch.equal(m.float(), qp[f"{module}.weight_min"])
+        outs = llm.generate(None, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+                            prompt_token_ids=[[5, 17, 33, 2]])
+        assert len(outs[0].outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
+
+
 def test_fp8_directory_loads_with_the_file_codes(tiny_models, tmp_path):
     """``--scheme fp8`` (once NotImplementedError): e4m3 codes + per-channel scales; LLM(OUT) runs Wf8A16 on
     fxc::linear_f8 with exactly the file's codes and scales."""
