@@ -243,3 +243,31 @@ def test_kernel_paths_include_the_w4a8_kernel():
     if not _kernel_paths():
         pytest.skip("no AVX2: the kernel library is not built on this CPU (the ATen reference runs)")
     assert torch._C._dispatch_has_kernel_for_dispatch_key("fxc::linear_w4a8", "CPU")
+
+
+@pytest.mark.slow
+def test_smollm2_w4a8_perplexity_on_held_out_text():
+    """Held-out perplexity (the odd half of pydoc_data.topics) of the embedded SmolLM2-135M (the fp32 dequantisation
+    of its Q4_1 file) with every linear but lm_head running fxc::linear_w4a8 on RTN int4 codes in groups of 32 (the
+    file's own block boundaries): within +3 % of fp32 (W8A8's bound; measured +1.2 % through the engine on the
+    file's blocks, docs/quantization.md)."""
+    from fxcompiler.calibration import held_out_text
+    from fxcompiler.llm import CACHE_DIR
+    from fxcompiler.models.loader import load_tokenizer, model_directory
+    from fxcompiler.models.sources import DEFAULT_MODEL_ID, resolve_model_source
+    from tests.test_bf16_accuracy import perplexity
+
+    from .test_w8a8 import PPL_BOUND, PPL_TOKENS
+
+    path = model_directory(resolve_model_source(DEFAULT_MODEL_ID), CACHE_DIR)
+    ids = load_tokenizer(path)(held_out_text(), add_special_tokens=False)["input_ids"][:PPL_TOKENS]
+
+    def ppl(model):
+        with torch.inference_mode():
+            return perplexity(model(torch.tensor([ids])).logits[0].float(), ids)
+
+    fp32 = ppl(_hf(path))
+    w4a8 = ppl(_w4a8_eager(_hf(path), 32))
+    print(f"\nSmolLM2-135M held-out perplexity over {PPL_TOKENS} tokens: fp32 {fp32:.4f}, W4A8 g32 {w4a8:.4f} "
+          f"({w4a8 / fp32 - 1:+.2%})")
+    assert 0 < w4a8 / fp32 - 1 <= PPL_BOUND
