@@ -18,7 +18,7 @@ from fxcompiler.ops.w4a8_linear import (dequantize_w4a8_weight, error_bound, lin
                                         pack_w4a8, quantize_activations_per_group, repack_w4_as_w4a8, unpack_w4a8)
 from fxcompiler.quant_config import QuantizationConfig
 from fxcompiler.quant_options import quantization_options
-from .test_w8a8 import PROMPT, _hf, _kernel_paths, _logprobs, each_path
+from .test_w8a8 import PROMPT, _hf, _kernel_paths, _logprobs, each_path, replace_linears
 
 
 def _weights(n, k, gs, seed, half=True):
@@ -185,11 +185,7 @@ def _w4a8_eager(model, group):
         def forward(self, x):
             return linear_w4a8(x, *self.args)
 
-    for name, mod in list(model.named_modules()):
-        for cname, child in list(mod.named_children()):
-            if isinstance(child, torch.nn.Linear) and "lm_head" not in f"{name}.{cname}":
-                setattr(mod, cname, W4A8(child))
-    return model
+    return replace_linears(model, W4A8)
 
 
 def test_llm_w4a8_runs_linear_w4a8_like_the_eager_model(tiny_models, tmp_path):

@@ -335,10 +335,15 @@ def _w8a8_eager(model):
         def forward(self, x):
             return linear_w8a8(x, *self.args)
 
+    return replace_linears(model, W8A8)
+
+
+def replace_linears(model, wrap):
+    """``model`` with every ``nn.Linear`` but lm_head replaced by ``wrap(linear)``."""
     for name, mod in list(model.named_modules()):
         for cname, child in list(mod.named_children()):
             if isinstance(child, torch.nn.Linear) and "lm_head" not in f"{name}.{cname}":
-                setattr(mod, cname, W8A8(child))
+                setattr(mod, cname, wrap(child))
     return model
 
 

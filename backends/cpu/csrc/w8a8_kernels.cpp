@@ -216,6 +216,39 @@ void quantize_row(const float* x, int64_t K, int64_t Kp, bool offset, int8_t* q,
   for (int64_t k = K; k < Kp; ++k) q[k] = offset ? static_cast<int8_t>(static_cast<uint8_t>(128)) : 0;
 }
 
+// The output [..., n] of a linear op, its bias as floats, its rows M; done when nothing is left to compute (an
+// empty output, or K == 0: zeros plus the bias).
+struct LinearOut {
+  at::Tensor out;
+  std::vector<float> bias;
+  int64_t M = 0;
+  bool done = false;
+};
+
+LinearOut linear_out(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n) {
+  LinearOut r;
+  const int64_t K = x.size(-1);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  r.out = at::empty(shape, x.options());
+  r.M = K ? x.numel() / K : 0;
+  if (r.out.numel() == 0) {
+    r.done = true;
+    return r;
+  }
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [n]");
+    at::Tensor b = bias->to(at::kFloat).contiguous();
+    r.bias.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
+  }
+  if (K == 0) {
+    r.out.zero_();
+    if (!r.bias.empty()) r.out.add_(bias->to(x.scalar_type()));
+    r.done = true;
+  }
+  return r;
+}
+
 at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& w_scale, const at::Tensor& w_sums,
                        const std::optional<at::Tensor>& bias, int64_t n) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fxc::linear_w8a8: CPU tensors expected");
@@ -236,22 +269,11 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   TORCH_CHECK(w_sums.scalar_type() == at::kInt && w_sums.is_contiguous() && w_sums.dim() == 1 &&
                   w_sums.size(0) == P * NB,
               "fxc::linear_w8a8: w_sums must be contiguous int32 [P*32] = [", P * NB, "], got ", w_sums.sizes());
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options());
-  const int64_t M = K ? x.numel() / K : 0;
-  if (out.numel() == 0) return out;
-  std::vector<float> bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "fxc::linear_w8a8: bias must be [n]");
-    at::Tensor b = bias->to(at::kFloat).contiguous();
-    bf.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
-  }
-  if (K == 0) {
-    out.zero_();
-    if (!bf.empty()) out.add_(bias->to(x.scalar_type()));
-    return out;
-  }
+  LinearOut lo = linear_out("fxc::linear_w8a8", x, bias, n);
+  if (lo.done) return lo.out;
+  at::Tensor out = lo.out;
+  const int64_t M = lo.M;
+  const std::vector<float>& bf = lo.bias;
   at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   const int path = path_ref().load();
@@ -569,22 +591,11 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     TORCH_CHECK(t->dim() == 3 && t->size(0) == P && t->size(1) == G && t->size(2) == NB4 && t->is_contiguous(),
                 "fxc::linear_w4a8: scales/mins must be contiguous [P, G, 16] = [", P, ", ", G, ", 16], got ",
                 t->sizes());
-  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
-  at::Tensor out = at::empty(out_shape, x.options());
-  const int64_t M = K ? x.numel() / K : 0;
-  if (out.numel() == 0) return out;
-  std::vector<float> bf;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "fxc::linear_w4a8: bias must be [n]");
-    at::Tensor b = bias->to(at::kFloat).contiguous();
-    bf.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
-  }
-  if (K == 0) {
-    out.zero_();
-    if (!bf.empty()) out.add_(bias->to(x.scalar_type()));
-    return out;
-  }
+  LinearOut lo = linear_out("fxc::linear_w4a8", x, bias, n);
+  if (lo.done) return lo.out;
+  at::Tensor out = lo.out;
+  const int64_t M = lo.M;
+  const std::vector<float>& bf = lo.bias;
   at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const float* xp = xf.data_ptr<float>();
   // the caller's scratch, reused across calls (no allocation or zeroing on the decode path)
