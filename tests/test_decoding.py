@@ -467,6 +467,11 @@ def test_generate_steps_on_the_calling_thread_and_alongside_a_stream(llama_llm):
 
     engine = llama_llm.engine
     step, threads = engine.step, []
+    # an earlier stream's last consumer call may have kicked the worker: it is idle once it has found nothing to step
+    deadline = time.monotonic() + 10
+    while llama_llm._driver.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not llama_llm._driver.running
 
     def recording_step():
         threads.append(threading.current_thread())
