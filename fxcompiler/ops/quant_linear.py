@@ -88,13 +88,20 @@ def pack_int4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_s
     qp = _pad_rows(q, p * NB).reshape(p, NB, k // 2, 2)
     packed = (qp[..., 0] | (qp[..., 1] << 4)).permute(0, 2, 1).contiguous()  # [P, K/2, 32]
 
+    return (packed, *group_params_layout(scales, mins, p, NB, compact))
+
+
+def group_params_layout(scales: torch.Tensor, mins: torch.Tensor, panels: int, cols: int, compact: bool
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group scales and mins ``[N, G]`` as ``[panels, G, cols]`` (tail rows zero padded), fp16 where
+    ``compact`` and every value is an fp16 value (:func:`fp16_if_exact`): the int4 ops' shared layout."""
+    g = scales.shape[1]
+
     def lay(t):
-        return _pad_rows(t.to(torch.float32), p * NB).reshape(p, NB, g).permute(0, 2, 1).contiguous()
+        return _pad_rows(t.to(torch.float32), panels * cols).reshape(panels, cols, g).permute(0, 2, 1).contiguous()
 
     s_lay, m_lay = lay(scales), lay(mins)
-    if compact:
-        s_lay, m_lay = fp16_if_exact(s_lay, m_lay)
-    return packed, s_lay, m_lay
+    return fp16_if_exact(s_lay, m_lay) if compact else (s_lay, m_lay)
 
 
 def unpack_int4(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int

@@ -37,7 +37,7 @@ from collections.abc import Callable
 import torch
 
 from .linear import _composite, _pad_rows
-from .quant_linear import dequantize_int4_codes, fp16_if_exact, unpack_int4
+from .quant_linear import dequantize_int4_codes, group_params_layout, unpack_int4
 
 __all__ = ["NB4", "error_bound", "linear_w4a8", "linear_w4a8_reference", "pack_w4a8", "quantize_activations_per_group",
            "repack_w4_as_w4a8", "set_w4a8_kernel_loader", "unpack_w4a8"]
@@ -74,13 +74,7 @@ def pack_w4a8(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_s
     qp = _pad_rows(q, p * NB4).reshape(p, NB4, k // 8, 2, 4)  # [P, 16, K/8, lo/hi half, 4]
     packed = (qp[..., 0, :] | (qp[..., 1, :] << 4)).permute(0, 2, 1, 3).contiguous()  # [P, K/8, 16, 4]
 
-    def lay(t):
-        return _pad_rows(t.to(torch.float32), p * NB4).reshape(p, NB4, g).permute(0, 2, 1).contiguous()
-
-    s_lay, m_lay = lay(scales), lay(mins)
-    if compact:
-        s_lay, m_lay = fp16_if_exact(s_lay, m_lay)
-    return packed, s_lay, m_lay
+    return (packed, *group_params_layout(scales, mins, p, NB4, compact))
 
 
 def unpack_w4a8(packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, n: int
