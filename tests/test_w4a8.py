@@ -108,6 +108,9 @@ def test_packing_round_trip_and_repack_from_linear_w4(n, k8, gs, seed):
 
 
 def test_pack_and_kernel_reject_bad_inputs():
+    from backends.cpu import w8a8
+
+    assert w8a8.ensure_loaded(), "the W4A8 CPU kernel did not build"  # the kernel's own checks, not the reference's
     q, s, m = _weights(20, 32, 8, 0)
     with pytest.raises(ValueError, match="multiples of 8"):
         pack_w4a8(q[:, :28], s[:, :4], m[:, :4], 8)
@@ -127,6 +130,12 @@ def test_pack_and_kernel_reject_bad_inputs():
         linear_w4a8(x, packed[0], packed[1].float(), packed[2], None, 20, 8)
     with pytest.raises(RuntimeError, match="larger than the packed panels"):
         linear_w4a8(x, *packed, None, 40, 8)
+    big = (1 << 17) + 8  # one group longer than the kernels' int32 group sums hold
+    with pytest.raises(ValueError, match="groups of at most 131072 k"):
+        pack_w4a8(torch.zeros(1, big, dtype=q.dtype), torch.ones(1, 1), torch.zeros(1, 1), big)
+    with pytest.raises(RuntimeError, match=r"groups of 131080 k > 2\^17"):
+        linear_w4a8(torch.zeros(1, big), torch.zeros(1, big // 8, 16, 4, dtype=torch.uint8), torch.ones(1, 1, 16),
+                    torch.zeros(1, 1, 16), None, 1, big)
 
 
 # -- config, pass, LLM ------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""CPU kernels of the quantized-weight ops (``fxc::linear_w4``, ``fxc::linear_f8``), from ``csrc/quant_kernels.cpp``.
+"""CPU kernels of the quantized-weight ops (``fxc::linear_w4``, ``fxc::linear_f8``, ``fxc::linear_f8f8``, and the
+quantized-table lookups ``fxc::embedding_w8`` / ``fxc::embedding_w4``), from ``csrc/quant_kernels.cpp``.
 
 Built on first use through :func:`backends.cpu._build.load_extension` into its own cache entry (so
 it never rebuilds the main kernel library), with ``-ffp-contract=off`` so that the dequantised tile

@@ -1,6 +1,8 @@
 """``fxc::embedding_w8`` / ``fxc::embedding_w4``: an embedding lookup that dequantises only the gathered rows.
 
-IR level (importable by passes and backends): schemas, fake kernels and the ATen implementations. The
+IR level (importable by passes and backends): schemas, fake kernels and the ATen implementations (the CPU
+kernels, one pass over the gathered rows, are in ``backends/cpu/csrc/quant_kernels.cpp``, loaded with
+``fxc::linear_w4``'s; they equal these references bit for bit). The
 ``quantize`` pass uses them for a GGUF's quantized ``token_embd`` (``keep_gguf_quantization``), so the
 table stays in the checkpoint's blocks (Q8_0: 1.125 bytes a value with fp32 scales) instead of an fp32 copy.
 
@@ -23,7 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .linear import NB
+from . import quant_linear
+from .linear import NB, _composite
 from .quant_linear import dequantize_int4_codes
 
 __all__ = ["embedding_w4", "embedding_w4_reference", "embedding_w8", "embedding_w8_reference"]
@@ -82,8 +85,12 @@ def _embedding_w4_fake(ids, w_int4_packed, scales, mins, n, group_size):
     return w_int4_packed.new_empty(tuple(ids.shape) + (2 * w_int4_packed.shape[1],), dtype=torch.float32)
 
 
-_lib.impl("embedding_w8", embedding_w8_reference, "CompositeExplicitAutograd")
-_lib.impl("embedding_w4", embedding_w4_reference, "CompositeExplicitAutograd")
+# The references, until the quantized-kernel library (backends/cpu/csrc/quant_kernels.cpp, loaded with
+# fxc::linear_w4's loader) registers the C++ lookups for CPU tensors: the same values, bit for bit.
+_lib.impl("embedding_w8", _composite(torch.ops.fxc.embedding_w8.default, embedding_w8_reference,
+                                     lambda: quant_linear._loader), "CompositeExplicitAutograd")
+_lib.impl("embedding_w4", _composite(torch.ops.fxc.embedding_w4.default, embedding_w4_reference,
+                                     lambda: quant_linear._loader), "CompositeExplicitAutograd")
 
 embedding_w8 = torch.ops.fxc.embedding_w8.default
 embedding_w4 = torch.ops.fxc.embedding_w4.default

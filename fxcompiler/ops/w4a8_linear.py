@@ -44,16 +44,21 @@ __all__ = ["NB4", "error_bound", "linear_w4a8", "linear_w4a8_reference", "pack_w
 
 NB4 = 16
 QMAX = 127
+MAX_GROUP = 1 << 17  # longest group (min(K, group_size)) the kernels' int32 sums hold
 _lib = torch.library.Library("fxc", "FRAGMENT")
 _lib.define("linear_w4a8(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, int n, "
             "int group_size) -> Tensor")
 
 
 def check_shape(k: int, group_size: int) -> None:
-    """W4A8 needs ``K`` and ``group_size`` multiples of 8 (8 k a packed 64-byte row); raises ``ValueError``."""
+    """W4A8 needs ``K`` and ``group_size`` multiples of 8 (8 k a packed 64-byte row) and groups of at most
+    ``MAX_GROUP`` k (the kernel's int32 group sums); raises ``ValueError``."""
     if group_size <= 0 or group_size % 8 or k % 8:
         raise ValueError(f"W4A8 (fxc::linear_w4a8) needs K and group_size multiples of 8, got K={k}, "
                          f"group_size={group_size}")
+    if min(k, group_size) > MAX_GROUP:
+        raise ValueError(f"W4A8 (fxc::linear_w4a8) needs groups of at most {MAX_GROUP} k (the int32 group sums "
+                         f"could overflow), got K={k}, group_size={group_size}")
 
 
 def pack_w4a8(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int, compact: bool = True

@@ -376,9 +376,12 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void w4
   const uint8_t* wp[S];
   for (int s = 0; s < S; ++s) wp[s] = a.w + panels[s] * a.panel_bytes();
   for (int64_t g = 0; g < a.G; ++g) {
-    __m512i is[S][R];
+    // low nibbles into is, the high ones kept in place (v & 0xF0 = 16 q) into ih: one logic op less per load;
+    // the group's high sum is ih / 16 exactly (every term a multiple of 16; |ih| <= 15240 * group length < 2^31
+    // for groups of at most 2^17 k, which linear_w4a8 checks)
+    __m512i is[S][R], ih[S][R];
     for (int s = 0; s < S; ++s)
-      for (int r = 0; r < R; ++r) is[s][r] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) is[s][r] = ih[s][r] = _mm512_setzero_si512();
     for (int64_t c = a.c0(g), ce = a.c1(g); c < ce; ++c) {
       __m512i x0[R], x1[R];
       for (int r = 0; r < R; ++r) {
@@ -392,10 +395,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void w4
         const uint8_t* wb = wp[s] + c * 64;
         if (g_w4a8_pf) _mm_prefetch(reinterpret_cast<const char*>(wb) + g_w4a8_pf, _MM_HINT_T0);
         const __m512i v = _mm512_loadu_si512(wb);
-        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+        const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_andnot_si512(m4, v);
         for (int r = 0; r < R; ++r) {
           is[s][r] = _mm512_dpbusd_epi32(is[s][r], lo, x0[r]);
-          is[s][r] = _mm512_dpbusd_epi32(is[s][r], hi, x1[r]);
+          ih[s][r] = _mm512_dpbusd_epi32(ih[s][r], hi, x1[r]);
         }
       }
     }
@@ -413,7 +416,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma"))) void w4
       }
       for (int r = 0; r < R; ++r) {
         const __m512 t = _mm512_mul_ps(sv, _mm512_set1_ps(a.dx[(r0 + r) * a.G + g]));
-        acc[s][r] = _mm512_add_ps(acc[s][r], _mm512_mul_ps(_mm512_cvtepi32_ps(is[s][r]), t));
+        const __m512i isum = _mm512_add_epi32(is[s][r], _mm512_srai_epi32(ih[s][r], 4));
+        acc[s][r] = _mm512_add_ps(acc[s][r], _mm512_mul_ps(_mm512_cvtepi32_ps(isum), t));
         acc[s][r] = _mm512_add_ps(acc[s][r], _mm512_mul_ps(mv, _mm512_set1_ps(a.xs[(r0 + r) * a.G + g])));
       }
     }
@@ -575,6 +579,8 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
               "fxc::linear_w4a8: x must be float32 or bfloat16, got ", x.scalar_type());
   const int64_t K = x.size(-1);
   TORCH_CHECK(K <= (int64_t{1} << 20), "fxc::linear_w4a8: K=", K, " > 2^20 (the int32 group sums could overflow)");
+  TORCH_CHECK(std::min(K, group_size) <= (int64_t{1} << 17), "fxc::linear_w4a8: groups of ", std::min(K, group_size),
+              " k > 2^17 (the int32 group sums could overflow); use a smaller group_size");
   TORCH_CHECK(K % 8 == 0 && group_size > 0 && group_size % 8 == 0,
               "fxc::linear_w4a8: K and group_size must be multiples of 8, got K=", K, ", group_size=", group_size);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 4 && w.size(1) == K / 8 && w.size(2) == NB4 &&
@@ -596,8 +602,9 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   at::Tensor out = lo.out;
   const int64_t M = lo.M;
   const std::vector<float>& bf = lo.bias;
-  at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
-  const float* xp = xf.data_ptr<float>();
+  at::Tensor xf;  // fp32 rows: x itself when it is contiguous fp32 (no dispatcher calls on the decode path)
+  if (x.scalar_type() != at::kFloat || !x.is_contiguous()) xf = x.reshape({M, K}).to(at::kFloat).contiguous();
+  const float* xp = xf.defined() ? xf.data_ptr<float>() : x.data_ptr<float>();
   // the caller's scratch, reused across calls (no allocation or zeroing on the decode path)
   thread_local std::vector<int8_t> xq;
   thread_local std::vector<float> dx, xs;
