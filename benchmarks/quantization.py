@@ -28,6 +28,9 @@ GGUF is not converted again), then warm (the same directory again):
 build's peak on the cold run), from ``/proc/self/status``:
 
     .venv/bin/python benchmarks/quantization.py --rss --schemes native-q4_1-q8head[,native-q4_1,fp32]
+
+``--rss-compile-in-subprocess`` builds with ``LLM(..., compile_in_subprocess=True)``: the cold build's export
+and passes in a child process (fxcompiler/build_isolation.py).
 """
 from __future__ import annotations
 
@@ -129,7 +132,8 @@ def rss_child(scheme: str, model: str) -> None:
     """One fresh process: build the scheme's engine, run the workload, print the memory figures."""
     from fxcompiler import LLM, SamplingParams
 
-    llm = LLM(model, **llm_kwargs(scheme))
+    isolate = os.environ.get("FXC_RSS_COMPILE_IN_SUBPROCESS") == "1"
+    llm = LLM(model, **llm_kwargs(scheme), **({"compile_in_subprocess": True} if isolate else {}))
     after_llm = _status()
     llm.generate(RSS_PROMPTS, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     after = _status()
@@ -144,8 +148,9 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def rss_runs(schemes: list[str], model: str, cache_dir: str | None) -> None:
-    """``--rss``: per scheme a cold then a warm process on one cache directory."""
+def rss_runs(schemes: list[str], model: str, cache_dir: str | None, compile_in_subprocess: bool = False) -> None:
+    """``--rss``: per scheme a cold then a warm process on one cache directory (``compile_in_subprocess``: the
+    engines built with ``LLM(..., compile_in_subprocess=True)``)."""
     from fxcompiler.llm import default_cache_dir
 
     print("| scheme | run | VmRSS after LLM() | after 16 x 64 tokens | VmHWM |\n|---|---|---|---|---|", flush=True)
@@ -157,7 +162,8 @@ def rss_runs(schemes: list[str], model: str, cache_dir: str | None) -> None:
                 if src.is_dir() and not os.path.exists(os.path.join(cache, sub)):
                     shutil.copytree(src, os.path.join(cache, sub), symlinks=True, copy_function=_link_or_copy)
             os.chmod(cache, 0o700)
-            env = dict(os.environ, FXCOMPILER_CACHE_DIR=cache, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+            env = dict(os.environ, FXCOMPILER_CACHE_DIR=cache, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+                       FXC_RSS_COMPILE_IN_SUBPROCESS="1" if compile_in_subprocess else "0")
             env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..") + os.pathsep \
                 + env.get("PYTHONPATH", "")
             for run in ("cold", "warm"):
@@ -198,6 +204,8 @@ def main() -> None:
     ap.add_argument("--rss", action="store_true", help="resident memory of each scheme's engine, cold and warm "
                                                        "compile cache, each a fresh process (see the docstring)")
     ap.add_argument("--rss-cache-dir", default=None, help="--rss: keep the cache here instead of a temporary one")
+    ap.add_argument("--rss-compile-in-subprocess", action="store_true",
+                    help="--rss: build with LLM(..., compile_in_subprocess=True) (the cold build in a child process)")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.rss_child:
@@ -214,7 +222,7 @@ def main() -> None:
         print("schemes:", ", ".join(schemes))
         return
     if args.rss:
-        return rss_runs(schemes, args.model, args.rss_cache_dir)
+        return rss_runs(schemes, args.model, args.rss_cache_dir, args.rss_compile_in_subprocess)
     _, held = split_topics()
     engines, results = {}, {}
     tmp = tempfile.TemporaryDirectory(prefix="fxc-quant-bench-")

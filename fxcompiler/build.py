@@ -164,10 +164,13 @@ class ProgramRequest:
 
 
 def compile_program(request: ProgramRequest, loaded, *, device: torch.device, cache_dir=None,
-                    instruments=None) -> tuple[torch.fx.GraphModule, CompileContext, dict[str, Any]]:
+                    instruments=None, in_subprocess: bool = False, fx_build: dict[str, Any] | None = None
+                    ) -> tuple[torch.fx.GraphModule, CompileContext, dict[str, Any]]:
     """The optimised program of ``loaded`` (a :class:`~fxcompiler.models.loader.LoadedModel`
     without weights yet): from the compile cache when ``cache_dir`` holds it, else by
-    instantiating the model, exporting it and running the passes (then cached).
+    instantiating the model, exporting it and running the passes (then cached); with ``in_subprocess``,
+    a miss the cache can hold is built by a child process (:mod:`fxcompiler.build_isolation`; with ``fx_build``
+    the bucket pipelines too) and loaded.
     Returns ``(graph, context, info)``; info says ``compile_cache`` hit/miss/off and timings."""
     from .compile_cache import CompileCache
 
@@ -180,12 +183,24 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
     key = request.cache_key(device) if enabled and cache_dir is not None and instruments is None else None
     cache = CompileCache(cache_dir) if key is not None else None
     if cache is not None:
+        child_info = None
         hit = cache.load(key, restore_meta=False, lazy_graph=True)  # build() traces and restores meta if it builds
+        if hit is None and in_subprocess:
+            from .build_isolation import compile_in_child
+
+            child_info = compile_in_child(request, loaded, device=device, cache_dir=cache_dir, key=key,
+                                          fx_build=fx_build)
+            if child_info is not None:
+                hit = cache.load(key, restore_meta=False, lazy_graph=True)
         if hit is not None:
             gm, ctx = hit
             ctx.options = {**request.options, **pass_services(device)}
             for h in ctx.history:  # the passes did not run in this build: their time is the stored build's
                 h["cached_seconds"], h["seconds"], h["cache_hit"] = h.get("seconds", 0.0), 0.0, True
+            if child_info is not None:  # a miss, built by the child
+                return gm, ctx, {"compile_cache": "miss", "compiled_in": "subprocess", "cache_key": key,
+                                 "export_seconds": child_info.get("export_seconds", 0.0),
+                                 "seconds": time.perf_counter() - t0}
             return gm, ctx, {"compile_cache": "hit", "cache_key": key, "export_seconds": 0.0,
                              "seconds": time.perf_counter() - t0}
     captured = _captured(request, loaded, device, cache_dir if enabled else None)

@@ -72,6 +72,7 @@ class EngineArgs:
     num_pipeline_builder_workers: int = 1
     num_compile_workers: int = 1
     cache_dir: str | None = None
+    compile_in_subprocess: bool = False
     threads: int | None = None
 
     _HELP = {
@@ -95,6 +96,8 @@ class EngineArgs:
         "is_offline": "throughput mode (admit as many prompts as fit before decoding)",
         "use_random_weight": "random weights (no checkpoint; for tests and benchmarks)",
         "cache_dir": "build/conversion cache (default ~/.cache/fxcompiler)",
+        "compile_in_subprocess": "on a compile-cache miss, export and optimise the model in a child process and "
+                                 "load the cached program (a cold start then ends with a warm start's memory)",
         "threads": "torch intra-op threads (default: all cores)",
     }
     _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
@@ -134,7 +137,7 @@ class EngineArgs:
                     raise ValueError(f"{name} entries must be (batch, attention) pairs of positive ints, got {p!r}")
             setattr(self, name, pairs)
         for name in ("trust_remote_code", "enable_prefix_caching", "auto_bfloat16_cast", "is_offline",
-                     "use_random_weight"):
+                     "use_random_weight", "compile_in_subprocess"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -188,6 +191,8 @@ class EngineArgs:
             data_parallel_size=self.data_parallel_size, use_random_weight=self.use_random_weight,
             num_pipeline_builder_workers=self.num_pipeline_builder_workers,
             num_compile_workers=self.num_compile_workers)
+        if self.compile_in_subprocess:
+            common["compile_in_subprocess"] = True
         return common
 
     def create_llm(self):

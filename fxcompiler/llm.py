@@ -138,6 +138,7 @@ class LLM:
         max_num_batched_tokens = kwargs.pop("max_num_batched_tokens", None)
         enable_prefix_caching = kwargs.pop("enable_prefix_caching", True)  # vLLM's name; on by default
         keep_gguf_quantization = kwargs.pop("keep_gguf_quantization", False)  # docs/quantization.md
+        compile_in_subprocess = kwargs.pop("compile_in_subprocess", False)  # fxcompiler/build_isolation.py
         override_pooler_config = kwargs.pop("override_pooler_config", None)  # embedding models (docs/encoder-tasks.md)
         quantize_lm_head = kwargs.pop("quantize_lm_head", None)  # None: a kept GGUF's output on its own blocks
         quantization_group_size = kwargs.pop("quantization_group_size", None)
@@ -147,6 +148,8 @@ class LLM:
         kv_cache_scales = kwargs.pop("kv_cache_scales", None)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        if not isinstance(compile_in_subprocess, bool):
+            raise TypeError(f"compile_in_subprocess must be a bool, got {compile_in_subprocess!r}")
         for hidden in ("optimize_paged_attention_block_loading", "sparse_select_version", "one_supertask_per_device"):
             kwargs.pop(hidden, None)
         if "config" in kwargs:
@@ -443,11 +446,14 @@ class LLM:
             options["do_decompositions_for_model_rewrite"] = True
         request = ProgramRequest(source.kind, self.model_id, loaded.model_dir, dict(hf_overrides), dtype,
                                  use_random_weight, seed, trust_remote_code, paged_attention_block_size, options)
-        gm, ctx, self.build_info = compile_program(request, loaded, device=self._device, cache_dir=self.cache_dir)
-        self.geometry = ctx.geometry  # passes may change it (auto_bfloat16_cast: a bf16 KV cache)
-        self.num_blocks_per_supertask = num_blocks_per_supertask
         build_options = {**options, "use_blockwise_compile": use_blockwise_compile,
                          "num_blocks_per_supertask": num_blocks_per_supertask}
+        fx_build = dict(model_name=self.model_id, buckets=self.buckets, block_size=paged_attention_block_size,
+                        options=build_options, workers=num_pipeline_builder_workers)
+        gm, ctx, self.build_info = compile_program(request, loaded, device=self._device, cache_dir=self.cache_dir,
+                                                   in_subprocess=compile_in_subprocess, fx_build=fx_build)
+        self.geometry = ctx.geometry  # passes may change it (auto_bfloat16_cast: a bf16 KV cache)
+        self.num_blocks_per_supertask = num_blocks_per_supertask
         self._build = build(
             (gm, ctx), self.model_id, self.buckets, block_size=paged_attention_block_size, device=self._device,
             kind=self.comp_supertask_kind, options=build_options, param_file_path=param_file_path,
@@ -1035,6 +1041,8 @@ class LLM:
             raise TypeError(f"unexpected keyword arguments for loading an artifact: {sorted(kwargs)}")
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
+        if not isinstance(compile_in_subprocess, bool):
+            raise TypeError(f"compile_in_subprocess must be a bool, got {compile_in_subprocess!r}")
         if paged_attention_num_blocks is not None and (not isinstance(paged_attention_num_blocks, int)
                                                        or isinstance(paged_attention_num_blocks, bool)
                                                        or paged_attention_num_blocks < 2):
