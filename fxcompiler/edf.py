@@ -145,12 +145,23 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         ops.linear_f8.default: qlin.linear_f8_reference,
         ops.linear_w8a8.default: w8a8.linear_w8a8_reference,
         ops.linear_w4a8.default: w4a8.linear_w4a8_reference,
+        # the fused gated MLP: the kept fxc::linear_w4a8 and silu_mul's reference (Inductor fuses it)
+        ops.linear_w4a8_silu_mul.default: (_linear_w4a8_silu_mul_calling_the_op if "linear_w4a8" in keep
+                                           else w4a8.linear_w4a8_silu_mul_aten),
         ops.linear_f8f8.default: f8lin.linear_f8f8_composite,  # row quantization inlined, linear_f8 kept
         ops.linear_by_m.default: lin.linear_by_m_dense,
         ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined
         ops.embedding_w8.default: qemb.embedding_w8_reference,  # only the gathered rows dequantised
         ops.embedding_w4.default: qemb.embedding_w4_reference,
     }
+
+
+def _linear_w4a8_silu_mul_calling_the_op(x, w, scales, mins, bias, n, group_size):
+    """``fxc::linear_w4a8_silu_mul`` as a kept ``fxc::linear_w4a8`` and ``fxc::silu_mul``'s reference."""
+    from .ops.fused import silu_mul_reference
+
+    gate, up = torch.ops.fxc.linear_w4a8.default(x, w, scales, mins, bias, n, group_size).split(n // 2, dim=-1)
+    return silu_mul_reference(gate, up)
 
 
 def _qkv_attention_calling_the_op(qkv, cos, sin, *args):

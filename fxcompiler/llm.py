@@ -1041,8 +1041,6 @@ class LLM:
             raise TypeError(f"unexpected keyword arguments for loading an artifact: {sorted(kwargs)}")
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be a bool, got {enable_prefix_caching!r}")
-        if not isinstance(compile_in_subprocess, bool):
-            raise TypeError(f"compile_in_subprocess must be a bool, got {compile_in_subprocess!r}")
         if paged_attention_num_blocks is not None and (not isinstance(paged_attention_num_blocks, int)
                                                        or isinstance(paged_attention_num_blocks, bool)
                                                        or paged_attention_num_blocks < 2):

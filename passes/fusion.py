@@ -11,6 +11,9 @@
   three small ones. Views of one tensor to the same shape count as the same activation
   (each linear that ``decompose(model_rewrite=True)`` splits makes its own ``view``).
 
+* ``fuse_linear_silu_mul``: ``fxc::silu_mul`` of the halves of a fused gate/up ``fxc::linear_w4a8`` becomes one
+  ``fxc::linear_w4a8_silu_mul`` (the product in the linear's epilogue); runs after ``quantize``.
+
 * ``fuse_qkv_attention``: the heads of a fused q/k/v projection (``split_with_sizes`` → ``view`` →
   ``permute``), the rotary embedding of q and k (``fxc::rope``), ``fxc::paged_attention`` and the
   ``[B, S, Hq·D]`` view of its result become one ``fxc::qkv_paged_attention`` (the ~15 nodes a layer
@@ -241,6 +244,53 @@ def _heads_of(node, split: Node | None):
     if not isinstance(vv, torch.Tensor) or vv.dim() != 4 or len(views[0].args[1]) != 4:
         return None
     return sp, index, views[0], bias
+
+
+@register_pass("fuse_linear_silu_mul")
+class FuseLinearSiluMulPass:
+    """``fxc::silu_mul`` of the two halves of one fused gate/up ``fxc::linear_w4a8`` (``split_with_sizes`` into
+    ``[H, H]`` on the last dim, ``H`` a multiple of 16) becomes one ``fxc::linear_w4a8_silu_mul``: the product is
+    formed in the linear's epilogue, bit for bit the two ops' result, without the ``2H``-wide intermediate
+    (decode: two dispatches fewer per layer). Other linear ops are left as they are."""
+
+    requires = PassRequirements(after=("quantize", "fuse_projections", "fuse_silu_mul"))  # the op, split, silu_mul
+
+    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
+        import fxcompiler.ops.w4a8_linear  # noqa: F401  (defines fxc::linear_w4a8_silu_mul)
+
+        graph, fused = gm.graph, 0
+        for sm in [n for n in graph.nodes if _is(n, torch.ops.fxc.silu_mul.default)]:
+            match = self._match(sm)
+            if match is None:
+                continue
+            lin, split, gates = match
+            _replace_with_call(graph, sm, torch.ops.fxc.linear_w4a8_silu_mul.default, tuple(lin.args))
+            for n in [sm, *gates, split, lin]:
+                graph.erase_node(n)
+            fused += 1
+        return PassResult(gm, fused > 0, {"fused": fused})
+
+    @staticmethod
+    def _match(sm: Node):
+        gate, up = sm.args[:2] if len(sm.args) == 2 and not sm.kwargs else (None, None)
+        if not (_is(gate, operator.getitem) and _is(up, operator.getitem) and gate.args[1] == 0 and up.args[1] == 1):
+            return None
+        split = gate.args[0]
+        if up.args[0] is not split or not _is(split, aten.split_with_sizes.default) or len(split.users) != 2:
+            return None
+        if len(gate.users) != 1 or len(up.users) != 1:
+            return None
+        lin, sizes = split.args[0], split.args[1]
+        dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        if not _is(lin, torch.ops.fxc.linear_w4a8.default) or len(lin.users) != 1 or lin.kwargs:
+            return None
+        lv = _val(lin)
+        n = lin.args[5]
+        if lv is None or lv.dtype != torch.float32 or dim not in (-1, lv.dim() - 1):
+            return None  # bf16 x: the fused op would only run the two ops; keep the graph as it is
+        if list(sizes) != [n // 2, n // 2] or n % 32:
+            return None
+        return lin, split, (gate, up)
 
 
 @register_pass("fuse_qkv_attention")

@@ -232,6 +232,24 @@ def test_edf_extern_ops_policy_and_package_key():
     assert _fxc_calls(aten_only) == []
     assert torch.equal(aten_only(*args)[0], gm(*args)[0])
 
+    # fxc::linear_w4a8_silu_mul (the fused gated MLP): its linear stays a call, the silu product is ATen
+    class W4A8SiluMul(torch.nn.Module):
+        def forward(self, x, q, s, m):
+            return (torch.ops.fxc.linear_w4a8_silu_mul.default(x, q, s, m, None, 32, 8),)
+
+    gm = torch.fx.symbolic_trace(W4A8SiluMul())
+    args = (torch.randn(3, 16), *pack_w4a8(*unpack_int4(*quantize_linear_weight_int4(torch.randn(32, 16), 8), 32), 8))
+    for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), args):
+        n.meta["val"] = v
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    kept = edf.aten_graph_module(gm, edf.extern_ops("cpu"))
+    assert _fxc_calls(make_fx(kept)(*args)) == ["linear_w4a8"]  # what export traces the package from
+    aten_only = edf.aten_graph_module(gm)
+    assert _fxc_calls(make_fx(aten_only)(*args)) == []
+    assert torch.allclose(kept(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-6)
+    assert torch.allclose(aten_only(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-6)
+
 
 def test_package_key_ignores_symbol_names():
     """Graphs whose meta was re-derived (compile/build cache hits, artifacts) name their symbolic

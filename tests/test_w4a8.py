@@ -242,6 +242,74 @@ def test_llm_w4a8_runs_linear_w4a8_like_the_eager_model(tiny_models, tmp_path):
         llm.shutdown()
 
 
+# -- the fused gated MLP: fxc::linear_w4a8_silu_mul ---------------------------------------------------------------
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 9), k8=st.integers(1, 24), panels=st.integers(1, 5), gs=st.sampled_from([8, 32, 64]),
+       bias=st.booleans(), batched=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       half=st.booleans(), seed=st.integers(0, 2**16))
+def test_fused_silu_mul_equals_the_two_ops_bit_for_bit(m, k8, panels, gs, bias, batched, dtype, half, seed):
+    """The fused op equals fxc::linear_w4a8 then fxc::silu_mul on its halves (the graph it replaces) on every
+    kernel path: M = 1..4 (pairs of lock-step streams, odd panel counts) and M > 4, bias, fp32 (fused epilogue) and
+    bf16 x (the two ops); the ATen-only form (edf) within the exp's few ulps."""
+    from backends.cpu import attention
+
+    from fxcompiler.ops.w4a8_linear import linear_w4a8_silu_mul, linear_w4a8_silu_mul_aten
+
+    assert attention.install()  # fxc::silu_mul's kernel: the epilogue must equal it
+    k, n = 8 * k8, 32 * panels
+    q, s, mn = _weights(n, k, gs, seed, half)
+    packed = pack_w4a8(q, s, mn, gs)
+    g = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(*((2, m, k) if batched else (m, k)), generator=g).to(dtype)
+    b = torch.randn(n, generator=g) if bias else None
+
+    def check(path):
+        y = linear_w4a8(x, *packed, b, n, gs)
+        want = torch.ops.fxc.silu_mul.default(y[..., : n // 2], y[..., n // 2:])
+        out = linear_w4a8_silu_mul(x, *packed, b, n, gs)
+        assert out.dtype == dtype and out.shape == x.shape[:-1] + (n // 2,)
+        assert torch.equal(out, want), (path, (out.float() - want.float()).abs().max())
+    each_path(check)
+    aten = linear_w4a8_silu_mul_aten(x, *packed, b, n, gs)
+    out = linear_w4a8_silu_mul(x, *packed, b, n, gs)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert torch.allclose(out.float(), aten.float(), rtol=tol, atol=tol)
+
+
+def test_fused_silu_mul_rejects_a_width_off_the_panels():
+    from fxcompiler.ops.w4a8_linear import linear_w4a8_silu_mul, linear_w4a8_silu_mul_reference
+
+    q, s, m = _weights(48, 32, 8, 0)
+    packed = pack_w4a8(q, s, m, 8)
+    with pytest.raises(RuntimeError, match="must be 2 \\* H with H a multiple of 16"):
+        linear_w4a8_silu_mul(torch.randn(1, 32), *packed, None, 48, 8)
+    with pytest.raises(ValueError, match="n = 2 \\* H with H a multiple of 16"):
+        linear_w4a8_silu_mul_reference(torch.randn(1, 32), *packed, None, 48, 8)
+
+
+def test_fuse_linear_silu_mul_pass_keeps_the_tokens(tiny_models):
+    """The default pipeline fuses each layer's gate/up linear_w4a8 and silu_mul; with the pass disabled the graph
+    keeps the two ops, and both engines generate the same tokens."""
+    from fxcompiler import LLM, LLMConfig, SamplingParams
+
+    def build(**kw):
+        return LLM(str(tiny_models["llama"]), max_seq_len_to_capture=64, cache_dir=None, quantization_group_size=32,
+                   llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W4A8")), **kw)
+
+    fused, plain = build(), build(compiler_config_overrides={"passes": {"disable": ["fuse_linear_silu_mul"]}})
+    try:
+        info = next(h for h in fused.pass_history if h["pass"] == "fuse_linear_silu_mul")
+        assert info["fused"] == 2  # the tiny llama's two layers
+        assert not any(h["pass"] == "fuse_linear_silu_mul" for h in plain.pass_history)
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        prompts = [[5, 17, 33, 2], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+        assert [o.outputs[0].token_ids for o in fused.generate(None, sp, prompt_token_ids=prompts)] == \
+            [o.outputs[0].token_ids for o in plain.generate(None, sp, prompt_token_ids=prompts)]
+    finally:
+        fused.shutdown()
+        plain.shutdown()
+
+
 def test_kernel_paths_include_the_w4a8_kernel():
     """The W4A8 kernel lives in the W8A8 library (its path switch): built here, not the reference compared with
     itself."""

@@ -39,7 +39,8 @@ import torch
 from .linear import _composite, _pad_rows
 from .quant_linear import dequantize_int4_codes, group_params_layout, unpack_int4
 
-__all__ = ["NB4", "error_bound", "linear_w4a8", "linear_w4a8_reference", "pack_w4a8", "quantize_activations_per_group",
+__all__ = ["NB4", "error_bound", "linear_w4a8", "linear_w4a8_reference", "linear_w4a8_silu_mul",
+           "linear_w4a8_silu_mul_reference", "pack_w4a8", "quantize_activations_per_group",
            "repack_w4_as_w4a8", "set_w4a8_kernel_loader", "unpack_w4a8"]
 
 NB4 = 16
@@ -185,3 +186,48 @@ def set_w4a8_kernel_loader(loader: Callable[[], bool] | None) -> None:
 _lib.impl("linear_w4a8", _composite(torch.ops.fxc.linear_w4a8.default, linear_w4a8_reference, lambda: _loader),
           "CompositeExplicitAutograd")
 linear_w4a8 = torch.ops.fxc.linear_w4a8.default
+
+
+# ---------------------------------------------------------------------------
+# fxc::linear_w4a8_silu_mul: the gated MLP's fused gate/up projection and its silu product as one op
+# ---------------------------------------------------------------------------
+_lib.define("linear_w4a8_silu_mul(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, int n, "
+            "int group_size) -> Tensor")
+
+
+def check_silu_mul_width(n: int) -> None:
+    """``n = 2H`` with ``H`` a multiple of ``NB4``: the gate and up halves on whole panels; raises ``ValueError``."""
+    if n <= 0 or n % (2 * NB4):
+        raise ValueError(f"fxc::linear_w4a8_silu_mul needs n = 2 * H with H a multiple of {NB4}, got n={n}")
+
+
+def linear_w4a8_silu_mul_reference(x, w_int4_packed, scales, mins, bias, n, group_size):
+    """``fxc::silu_mul`` of the halves of ``fxc::linear_w4a8(x, ...)`` (``[..., n/2]``): the graph the op replaces.
+    Calls the two ops, so on CPU it equals the fused kernel bit for bit (the kernels' own numerics)."""
+    check_silu_mul_width(n)
+    y = torch.ops.fxc.linear_w4a8.default(x, w_int4_packed, scales, mins, bias, n, group_size)
+    gate, up = y.split(n // 2, dim=-1)
+    return torch.ops.fxc.silu_mul.default(gate, up)
+
+
+def linear_w4a8_silu_mul_aten(x, w_int4_packed, scales, mins, bias, n, group_size):
+    """The same in ATen references only (edf: Inductor compiles it)."""
+    from .fused import silu_mul_reference
+
+    check_silu_mul_width(n)
+    gate, up = linear_w4a8_reference(x, w_int4_packed, scales, mins, bias, n, group_size).split(n // 2, dim=-1)
+    return silu_mul_reference(gate, up)
+
+
+@torch.library.register_fake("fxc::linear_w4a8_silu_mul", lib=_lib)
+def _linear_w4a8_silu_mul_fake(x, w_int4_packed, scales, mins, bias, n, group_size):
+    torch._check(n > 0 and n % (2 * NB4) == 0,
+                 lambda: f"fxc::linear_w4a8_silu_mul: n={n} must be 2 * H with H a multiple of {NB4}")
+    y = _linear_w4a8_fake(x, w_int4_packed, scales, mins, bias, n, group_size)
+    return y.new_empty(tuple(y.shape[:-1]) + (n // 2,))
+
+
+_lib.impl("linear_w4a8_silu_mul", _composite(torch.ops.fxc.linear_w4a8_silu_mul.default,
+                                             linear_w4a8_silu_mul_reference, lambda: _loader),
+          "CompositeExplicitAutograd")
+linear_w4a8_silu_mul = torch.ops.fxc.linear_w4a8_silu_mul.default

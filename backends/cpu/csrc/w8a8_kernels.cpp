@@ -23,6 +23,7 @@
 // (0 scalar, 1 avx2, 2 avxvnni, 3 avx512vnni), FXCOMPILER_W8A8_PATH=scalar|avx2|avxvnni|avx512vnni at load.
 
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -30,6 +31,8 @@
 #include <torch/library.h>
 
 #include <immintrin.h>
+
+#include "simd_math.h"  // fxc::exp512: fxc::silu_mul's exp, for the fused epilogue
 
 #include <algorithm>
 #include <atomic>
@@ -225,11 +228,13 @@ struct LinearOut {
   bool done = false;
 };
 
-LinearOut linear_out(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n) {
+// out_cols: the output's last dim when an epilogue changes it (-1: n).
+LinearOut linear_out(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t n,
+                     int64_t out_cols = -1) {
   LinearOut r;
   const int64_t K = x.size(-1);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = n;
+  shape.back() = out_cols < 0 ? n : out_cols;
   r.out = at::empty(shape, x.options());
   r.M = K ? x.numel() / K : 0;
   if (r.out.numel() == 0) {
@@ -572,36 +577,42 @@ void w4a8_rows(int rows, int path, const W4A8& a, const int64_t* panels, int64_t
   w4a8_block<R, S>(path, a, panels, r0, out);
 }
 
-at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
-                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fxc::linear_w4a8: CPU tensors expected");
+// A W4A8 call's checked arguments, its output (out_cols columns) and x's rows quantized into the calling
+// thread's scratch; done when there is nothing to compute (lo.done).
+struct W4A8Call {
+  LinearOut lo;
+  W4A8 a;
+  int path;
+  int64_t P;
+};
+
+W4A8Call w4a8_prepare(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                      const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size,
+                      int64_t out_cols = -1) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "fxc::linear_w4a8: x must be float32 or bfloat16, got ", x.scalar_type());
+              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
   const int64_t K = x.size(-1);
-  TORCH_CHECK(K <= (int64_t{1} << 20), "fxc::linear_w4a8: K=", K, " > 2^20 (the int32 group sums could overflow)");
-  TORCH_CHECK(std::min(K, group_size) <= (int64_t{1} << 17), "fxc::linear_w4a8: groups of ", std::min(K, group_size),
+  TORCH_CHECK(K <= (int64_t{1} << 20), op, ": K=", K, " > 2^20 (the int32 group sums could overflow)");
+  TORCH_CHECK(std::min(K, group_size) <= (int64_t{1} << 17), op, ": groups of ", std::min(K, group_size),
               " k > 2^17 (the int32 group sums could overflow); use a smaller group_size");
   TORCH_CHECK(K % 8 == 0 && group_size > 0 && group_size % 8 == 0,
-              "fxc::linear_w4a8: K and group_size must be multiples of 8, got K=", K, ", group_size=", group_size);
+              op, ": K and group_size must be multiples of 8, got K=", K, ", group_size=", group_size);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 4 && w.size(1) == K / 8 && w.size(2) == NB4 &&
                   w.size(3) == 4 && w.is_contiguous(),
-              "fxc::linear_w4a8: packed weight must be contiguous uint8 [P, K/8, 16, 4] with K/8=", K / 8, ", got ",
-              w.sizes());
+              op, ": packed weight must be contiguous uint8 [P, K/8, 16, 4] with K/8=", K / 8, ", got ", w.sizes());
   const int64_t P = w.size(0), G = (K + group_size - 1) / group_size;
-  TORCH_CHECK(n >= 0 && n <= P * NB4, "fxc::linear_w4a8: n=", n, " larger than the packed panels");
+  TORCH_CHECK(n >= 0 && n <= P * NB4, op, ": n=", n, " larger than the packed panels");
   TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "fxc::linear_w4a8: scales and mins must both be float32 or both float16, got ", scales.scalar_type(),
-              " and ", mins.scalar_type());
+              op, ": scales and mins must both be float32 or both float16, got ", scales.scalar_type(), " and ",
+              mins.scalar_type());
   for (const at::Tensor* t : {&scales, &mins})
     TORCH_CHECK(t->dim() == 3 && t->size(0) == P && t->size(1) == G && t->size(2) == NB4 && t->is_contiguous(),
-                "fxc::linear_w4a8: scales/mins must be contiguous [P, G, 16] = [", P, ", ", G, ", 16], got ",
-                t->sizes());
-  LinearOut lo = linear_out("fxc::linear_w4a8", x, bias, n);
-  if (lo.done) return lo.out;
-  at::Tensor out = lo.out;
-  const int64_t M = lo.M;
-  const std::vector<float>& bf = lo.bias;
+                op, ": scales/mins must be contiguous [P, G, 16] = [", P, ", ", G, ", 16], got ", t->sizes());
+  W4A8Call c{linear_out(op, x, bias, n, out_cols), {}, path_ref().load(), P};
+  if (c.lo.done) return c;
+  const int64_t M = c.lo.M;
   at::Tensor xf;  // fp32 rows: x itself when it is contiguous fp32 (no dispatcher calls on the decode path)
   if (x.scalar_type() != at::kFloat || !x.is_contiguous()) xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   const float* xp = xf.defined() ? xf.data_ptr<float>() : x.data_ptr<float>();
@@ -613,7 +624,7 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     dx.resize(static_cast<size_t>(M * G));
     xs.resize(static_cast<size_t>(M * G));
   }
-  const int path = path_ref().load();
+  const int path = c.path;
   int8_t* xqp = xq.data();
   float* dxp = dx.data();
   float* xsp = xs.data();
@@ -630,8 +641,20 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       for (int64_t r = b; r < e; ++r) quantize(r);
     });
   }
-  const W4A8 a{w.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf,
-               K, G, group_size, xqp, dxp, xsp};
+  c.a = W4A8{w.data_ptr<uint8_t>(), scales.data_ptr(), mins.data_ptr(), scales.scalar_type() == at::kHalf,
+             K, G, group_size, xqp, dxp, xsp};
+  return c;
+}
+
+at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  W4A8Call c = w4a8_prepare("fxc::linear_w4a8", x, w, scales, mins, bias, n, group_size);
+  if (c.lo.done) return c.lo.out;
+  at::Tensor out = c.lo.out;
+  const int64_t M = c.lo.M, P = c.P;
+  const std::vector<float>& bf = c.lo.bias;
+  const int path = c.path;
+  const W4A8& a = c.a;
   const bool out_bf16 = x.scalar_type() == at::kBFloat16;
   float* of = out_bf16 ? nullptr : out.data_ptr<float>();
   c10::BFloat16* ob = out_bf16 ? out.data_ptr<c10::BFloat16>() : nullptr;
@@ -696,6 +719,94 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
   return out;
 }
 
+
+// fxc::linear_w4a8_silu_mul: silu(y[..., :H]) * y[..., H:] of y = linear_w4a8(x, ...) with n = 2H (a fused
+// gate/up projection), H a multiple of 16 so that gate panel j and up panel j + H/16 cover the same columns.
+// fp32 x on AVX-512 builds: each pair of panels is computed together (any path: the sums are the same bit for
+// bit) and the product formed in registers with fxc::silu_mul's own fp32 step (csrc/fused_ops.cpp
+// silu_mul_f32: g / (1 + exp512(-g)) * u), so the result equals the unfused linear_w4a8 -> split -> silu_mul
+// graph bit for bit, without the 2H-wide intermediate, the split and the second op. Otherwise (bf16 x, other
+// builds) exactly that graph: linear_w4a8, then fxc::silu_mul on the halves.
+at::Tensor linear_w4a8_silu_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                                const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t n,
+                                int64_t group_size) {
+  TORCH_CHECK(n > 0 && n % (2 * NB4) == 0, "fxc::linear_w4a8_silu_mul: n=", n,
+              " must be 2 * H with H a multiple of 16 (the gate and up halves on whole panels)");
+  const int64_t H = n / 2;
+#ifdef __AVX512F__
+  const bool fused = x.scalar_type() == at::kFloat && x.size(-1) > 0;
+#else
+  const bool fused = false;
+#endif
+  if (!fused) {
+    static const auto silu_mul = c10::Dispatcher::singleton()
+                                     .findSchemaOrThrow("fxc::silu_mul", "")
+                                     .typed<at::Tensor(at::Tensor, at::Tensor)>();
+    const at::Tensor y = linear_w4a8(x, w, scales, mins, bias, n, group_size);
+    return silu_mul.call(y.narrow(-1, 0, H), y.narrow(-1, H, H));
+  }
+#ifdef __AVX512F__
+  W4A8Call c = w4a8_prepare("fxc::linear_w4a8_silu_mul", x, w, scales, mins, bias, n, group_size, H);
+  if (c.lo.done) return c.lo.out;  // no rows (K == 0 took the unfused path)
+  const int64_t M = c.lo.M, Q = H / NB4;  // Q gate panels; the up panel of gate panel j is j + Q
+  const int path = c.path;
+  const W4A8& a = c.a;
+  float* of = c.lo.out.data_ptr<float>();
+  const float* bias_p = c.lo.bias.empty() ? nullptr : c.lo.bias.data();
+  // gate panel j's rows r0.. from res (stream sg) and the up panel's (stream su): bias, then silu_mul_f32's step
+  auto emit = [&](int64_t j, int64_t r0, int rows, const float* res, int sg, int su) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (int r = 0; r < rows; ++r) {
+      alignas(64) float gv[NB4], uv[NB4];
+      std::memcpy(gv, res + (sg * rows + r) * NB4, sizeof(gv));
+      std::memcpy(uv, res + (su * rows + r) * NB4, sizeof(uv));
+      if (bias_p != nullptr)
+        for (int64_t t = 0; t < NB4; ++t) {
+          gv[t] += bias_p[j * NB4 + t];
+          uv[t] += bias_p[H + j * NB4 + t];
+        }
+      const __m512 g = _mm512_load_ps(gv);
+      const __m512 sg_ = _mm512_div_ps(g, _mm512_add_ps(one, fxc::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+      _mm512_storeu_ps(of + (r0 + r) * H + j * NB4, _mm512_mul_ps(sg_, _mm512_load_ps(uv)));
+    }
+  };
+  if (M <= 4) {
+    const int rows = static_cast<int>(M);
+    at::parallel_for(0, Q, 2, [&](int64_t b, int64_t e) {
+      alignas(64) float res[4 * 4 * NB4];
+      // rows <= 2: the thread's gate panels as two halves, each half's gate and up panels a stream (4 lock-step
+      // streams, each walking consecutive panels, as linear_w4a8's decode loop does); else one pair at a time
+      const int64_t half = rows <= 2 ? (e - b) / 2 : 0;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t j0 = b + i, j1 = b + half + i;
+        const int64_t ps[4] = {j0, j0 + Q, j1, j1 + Q};
+        w4a8_rows<2, 4>(rows, path, a, ps, 0, res);
+        emit(j0, 0, rows, res, 0, 1);
+        emit(j1, 0, rows, res, 2, 3);
+      }
+      for (int64_t j = b + 2 * half; j < e; ++j) {
+        const int64_t ps[2] = {j, j + Q};
+        w4a8_rows<4, 2>(rows, path, a, ps, 0, res);
+        emit(j, 0, rows, res, 0, 1);
+      }
+    });
+    return c.lo.out;
+  }
+  at::parallel_for(0, Q, 1, [&](int64_t b, int64_t e) {
+    alignas(64) float res[2 * 4 * NB4];
+    for (int64_t j = b; j < e; ++j) {
+      const int64_t ps[2] = {j, j + Q};
+      for (int64_t r0 = 0; r0 < M; r0 += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, M - r0));
+        w4a8_rows<4, 2>(rows, path, a, ps, r0, res);
+        emit(j, r0, rows, res, 0, 1);
+      }
+    }
+  });
+  return c.lo.out;
+#endif
+}
+
 }  // namespace
 }  // namespace fxcw8a8
 
@@ -704,4 +815,5 @@ TORCH_LIBRARY_FRAGMENT(fxc, m) { m.def("_w8a8_path(int want) -> int", &fxcw8a8::
 TORCH_LIBRARY_IMPL(fxc, CPU, m) {
   m.impl("linear_w8a8", &fxcw8a8::linear_w8a8);
   m.impl("linear_w4a8", &fxcw8a8::linear_w4a8);
+  m.impl("linear_w4a8_silu_mul", &fxcw8a8::linear_w4a8_silu_mul);
 }
