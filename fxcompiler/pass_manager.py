@@ -653,7 +653,8 @@ class PassManager:
 
 DEFAULT_PASSES = ("decompose", "strip_asserts", "fold_casts", "dce", "cse", "fuse_rms_norm", "fuse_silu_mul",
                   "fuse_rope", "auto_bfloat16_cast", "weight_layout", "logits_slice", "fuse_projections",
-                  "quantize", "lower_cpu_kernels", "dce", "fuse_linear_silu_mul", "fuse_qkv_attention", "dce",
+                  "quantize", "lower_cpu_kernels", "dce", "fuse_linear_silu_mul", "fuse_linear_add",
+                  "fuse_qkv_attention", "dce",
                   "constants")
 
 

@@ -13,6 +13,8 @@
 
 * ``fuse_linear_silu_mul``: ``fxc::silu_mul`` of the halves of a fused gate/up ``fxc::linear_w4a8`` becomes one
   ``fxc::linear_w4a8_silu_mul`` (the product in the linear's epilogue); runs after ``quantize``.
+* ``fuse_linear_add``: ``residual + fxc::linear_w4a8(...)`` becomes one ``fxc::linear_w4a8_add`` (the sum in the
+  linear's output loop); runs after ``quantize``.
 
 * ``fuse_qkv_attention``: the heads of a fused q/k/v projection (``split_with_sizes`` → ``view`` →
   ``permute``), the rotary embedding of q and k (``fxc::rope``), ``fxc::paged_attention`` and the
@@ -291,6 +293,47 @@ class FuseLinearSiluMulPass:
         if list(sizes) != [n // 2, n // 2] or n % 32:
             return None
         return lin, split, (gate, up)
+
+
+@register_pass("fuse_linear_add")
+class FuseLinearAddPass:
+    """``residual + fxc::linear_w4a8(...)`` (``aten.add.Tensor`` of the linear, used by nothing else, and a tensor of
+    its shape and dtype) becomes one ``fxc::linear_w4a8_add``: the sum formed in the linear's output loop, bit for
+    bit the two ops (each layer's o_proj and down_proj with their residual adds: one dispatch fewer each)."""
+
+    requires = PassRequirements(after=("quantize",))
+
+    def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
+        import fxcompiler.ops.w4a8_linear  # noqa: F401  (defines fxc::linear_w4a8_add)
+
+        graph, fused = gm.graph, 0
+        for add in [n for n in graph.nodes if _is(n, aten.add.Tensor)]:
+            match = self._match(add)
+            if match is None:
+                continue
+            lin, residual = match
+            x, w, scales, mins, bias, n, gs = lin.args
+            _replace_with_call(graph, add, torch.ops.fxc.linear_w4a8_add.default,
+                               (x, w, scales, mins, bias, residual, n, gs))
+            graph.erase_node(add)
+            graph.erase_node(lin)
+            fused += 1
+        return PassResult(gm, fused > 0, {"fused": fused})
+
+    @staticmethod
+    def _match(add: Node):
+        if len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1 or set(add.kwargs) - {"alpha"}:
+            return None
+        for lin, other in (add.args, add.args[::-1]):
+            if not _is(lin, torch.ops.fxc.linear_w4a8.default) or len(lin.users) != 1 or lin.kwargs \
+                    or len(lin.args) != 7 or not isinstance(other, Node):
+                continue
+            lv, ov, av = _val(lin), _val(other), _val(add)
+            if lv is None or ov is None or av is None:
+                continue
+            if tuple(lv.shape) == tuple(ov.shape) == tuple(av.shape) and lv.dtype == ov.dtype == av.dtype:
+                return lin, other
+        return None
 
 
 @register_pass("fuse_qkv_attention")

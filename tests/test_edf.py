@@ -250,6 +250,22 @@ def test_edf_extern_ops_policy_and_package_key():
     assert torch.allclose(kept(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-6)
     assert torch.allclose(aten_only(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-6)
 
+    # fxc::linear_w4a8_add (a projection and its residual add): the linear stays a call, the add is ATen
+    class W4A8Add(torch.nn.Module):
+        def forward(self, x, q, s, m, r):
+            return (torch.ops.fxc.linear_w4a8_add.default(x, q, s, m, None, r, 32, 8),)
+
+    gm = torch.fx.symbolic_trace(W4A8Add())
+    args = (*args, torch.randn(3, 32))
+    for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), args):
+        n.meta["val"] = v
+    kept = edf.aten_graph_module(gm, edf.extern_ops("cpu"))
+    assert _fxc_calls(make_fx(kept)(*args)) == ["linear_w4a8"]
+    aten_only = edf.aten_graph_module(gm)
+    assert _fxc_calls(make_fx(aten_only)(*args)) == []
+    assert torch.equal(kept(*args)[0], gm(*args)[0])
+    assert torch.equal(aten_only(*args)[0], gm(*args)[0])
+
 
 def test_package_key_ignores_symbol_names():
     """Graphs whose meta was re-derived (compile/build cache hits, artifacts) name their symbolic

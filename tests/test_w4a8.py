@@ -276,6 +276,47 @@ def test_fused_silu_mul_equals_the_two_ops_bit_for_bit(m, k8, panels, gs, bias, 
     assert torch.allclose(out.float(), aten.float(), rtol=tol, atol=tol)
 
 
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 9), k8=st.integers(1, 24), n=st.integers(1, 70), gs=st.sampled_from([8, 32, 64]),
+       bias=st.booleans(), batched=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_fused_add_equals_the_two_ops_bit_for_bit(m, k8, n, gs, bias, batched, dtype, seed):
+    """``fxc::linear_w4a8_add`` equals ``residual + fxc::linear_w4a8(...)`` on every kernel path, fp32 and bf16
+    (bf16: the linear's output rounded before the sum, as the two ops round it), decode and larger M."""
+    from fxcompiler.ops.w4a8_linear import linear_w4a8_add, linear_w4a8_add_aten
+
+    k = 8 * k8
+    q, s, mn = _weights(n, k, gs, seed)
+    packed = pack_w4a8(q, s, mn, gs)
+    g = torch.Generator().manual_seed(seed + 1)
+    shape = (2, m, k) if batched else (m, k)
+    x = torch.randn(*shape, generator=g).to(dtype)
+    r = torch.randn(*shape[:-1], n, generator=g).to(dtype)
+    b = torch.randn(n, generator=g) if bias else None
+
+    def check(path):
+        want = r + linear_w4a8(x, *packed, b, n, gs)
+        out = linear_w4a8_add(x, *packed, b, r, n, gs)
+        assert out.dtype == dtype and out.shape == r.shape
+        assert torch.equal(out, want), (path, (out.float() - want.float()).abs().max())
+    each_path(check)
+    assert torch.equal(linear_w4a8_add_aten(x, *packed, b, r, n, gs), r + linear_w4a8_reference(x, *packed, b, n, gs))
+
+
+def test_fused_add_names_a_misshapen_residual():
+    from backends.cpu import w8a8
+
+    from fxcompiler.ops.w4a8_linear import linear_w4a8_add
+
+    assert w8a8.ensure_loaded()
+    q, s, m = _weights(20, 32, 8, 0)
+    packed = pack_w4a8(q, s, m, 8)
+    with pytest.raises(RuntimeError, match=r"residual must be Float \[2, 20\]"):
+        linear_w4a8_add(torch.randn(2, 32), *packed, None, torch.randn(2, 21), 20, 8)
+    with pytest.raises(RuntimeError, match="residual must be Float"):
+        linear_w4a8_add(torch.randn(2, 32), *packed, None, torch.randn(2, 20).bfloat16(), 20, 8)
+
+
 def test_fused_silu_mul_rejects_a_width_off_the_panels():
     from fxcompiler.ops.w4a8_linear import linear_w4a8_silu_mul, linear_w4a8_silu_mul_reference
 
@@ -287,20 +328,22 @@ def test_fused_silu_mul_rejects_a_width_off_the_panels():
         linear_w4a8_silu_mul_reference(torch.randn(1, 32), *packed, None, 48, 8)
 
 
-def test_fuse_linear_silu_mul_pass_keeps_the_tokens(tiny_models):
-    """The default pipeline fuses each layer's gate/up linear_w4a8 and silu_mul; with the pass disabled the graph
-    keeps the two ops, and both engines generate the same tokens."""
+def test_fuse_linear_passes_keep_the_tokens(tiny_models):
+    """The default pipeline fuses each layer's gate/up linear_w4a8 with silu_mul and its o_proj / down_proj with the
+    residual adds; with the passes disabled the graph keeps the separate ops, and both engines generate the same
+    tokens."""
     from fxcompiler import LLM, LLMConfig, SamplingParams
 
     def build(**kw):
         return LLM(str(tiny_models["llama"]), max_seq_len_to_capture=64, cache_dir=None, quantization_group_size=32,
                    llm_config=LLMConfig(quantization_config=QuantizationConfig.from_str("W4A8")), **kw)
 
-    fused, plain = build(), build(compiler_config_overrides={"passes": {"disable": ["fuse_linear_silu_mul"]}})
+    fused = build()
+    plain = build(compiler_config_overrides={"passes": {"disable": ["fuse_linear_silu_mul", "fuse_linear_add"]}})
     try:
-        info = next(h for h in fused.pass_history if h["pass"] == "fuse_linear_silu_mul")
-        assert info["fused"] == 2  # the tiny llama's two layers
-        assert not any(h["pass"] == "fuse_linear_silu_mul" for h in plain.pass_history)
+        fired = {h["pass"]: h["fused"] for h in fused.pass_history if h["pass"].startswith("fuse_linear_")}
+        assert fired == {"fuse_linear_silu_mul": 2, "fuse_linear_add": 4}  # two layers: gate/up; o_proj, down_proj
+        assert not any(h["pass"].startswith("fuse_linear_") for h in plain.pass_history)
         sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
         prompts = [[5, 17, 33, 2], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
         assert [o.outputs[0].token_ids for o in fused.generate(None, sp, prompt_token_ids=prompts)] == \

@@ -39,7 +39,8 @@ import torch
 from .linear import _composite, _pad_rows
 from .quant_linear import dequantize_int4_codes, group_params_layout, unpack_int4
 
-__all__ = ["NB4", "error_bound", "linear_w4a8", "linear_w4a8_reference", "linear_w4a8_silu_mul",
+__all__ = ["NB4", "error_bound", "linear_w4a8", "linear_w4a8_add", "linear_w4a8_add_reference", "linear_w4a8_reference",
+           "linear_w4a8_silu_mul",
            "linear_w4a8_silu_mul_reference", "pack_w4a8", "quantize_activations_per_group",
            "repack_w4_as_w4a8", "set_w4a8_kernel_loader", "unpack_w4a8"]
 
@@ -231,3 +232,35 @@ _lib.impl("linear_w4a8_silu_mul", _composite(torch.ops.fxc.linear_w4a8_silu_mul.
                                              linear_w4a8_silu_mul_reference, lambda: _loader),
           "CompositeExplicitAutograd")
 linear_w4a8_silu_mul = torch.ops.fxc.linear_w4a8_silu_mul.default
+
+
+# ---------------------------------------------------------------------------
+# fxc::linear_w4a8_add: an output projection and its residual add as one op
+# ---------------------------------------------------------------------------
+_lib.define("linear_w4a8_add(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, Tensor residual, "
+            "int n, int group_size) -> Tensor")
+
+
+def linear_w4a8_add_reference(x, w_int4_packed, scales, mins, bias, residual, n, group_size):
+    """``residual + fxc::linear_w4a8(x, ...)`` (a layer's output projection and its residual add): the graph the op
+    replaces, so on CPU it equals the fused kernel bit for bit."""
+    return residual + torch.ops.fxc.linear_w4a8.default(x, w_int4_packed, scales, mins, bias, n, group_size)
+
+
+def linear_w4a8_add_aten(x, w_int4_packed, scales, mins, bias, residual, n, group_size):
+    """The same in ATen references only (edf: Inductor compiles it)."""
+    return residual + linear_w4a8_reference(x, w_int4_packed, scales, mins, bias, n, group_size)
+
+
+@torch.library.register_fake("fxc::linear_w4a8_add", lib=_lib)
+def _linear_w4a8_add_fake(x, w_int4_packed, scales, mins, bias, residual, n, group_size):
+    y = _linear_w4a8_fake(x, w_int4_packed, scales, mins, bias, n, group_size)
+    torch._check(tuple(residual.shape) == tuple(y.shape) and residual.dtype == y.dtype,
+                 lambda: f"fxc::linear_w4a8_add: residual must be {y.dtype} {tuple(y.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    return y
+
+
+_lib.impl("linear_w4a8_add", _composite(torch.ops.fxc.linear_w4a8_add.default, linear_w4a8_add_reference,
+                                        lambda: _loader), "CompositeExplicitAutograd")
+linear_w4a8_add = torch.ops.fxc.linear_w4a8_add.default

@@ -646,11 +646,23 @@ W4A8Call w4a8_prepare(const char* op, const at::Tensor& x, const at::Tensor& w, 
   return c;
 }
 
-at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
-                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
-  W4A8Call c = w4a8_prepare("fxc::linear_w4a8", x, w, scales, mins, bias, n, group_size);
-  if (c.lo.done) return c.lo.out;
+// linear_w4a8's body; with `residual` ([..., n], x's dtype) its value is added to each output as the graph's
+// `residual + linear(x)` would (fp32: fl(y + r); bf16: y rounded to bf16 first, the sum in fp32, rounded again).
+at::Tensor w4a8_linear(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                       const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size,
+                       const at::Tensor* residual) {
+  W4A8Call c = w4a8_prepare(op, x, w, scales, mins, bias, n, group_size);
+  at::Tensor rc;
+  if (residual != nullptr) {
+    TORCH_CHECK(residual->sizes() == c.lo.out.sizes() && residual->scalar_type() == x.scalar_type(), op,
+                ": residual must be ", x.scalar_type(), " ", c.lo.out.sizes(), " (the output's shape), got ",
+                residual->scalar_type(), " ", residual->sizes());
+    rc = residual->contiguous();
+  }
+  if (c.lo.done) return rc.defined() ? c.lo.out.add_(rc) : c.lo.out;
   at::Tensor out = c.lo.out;
+  const float* rf = rc.defined() && x.scalar_type() == at::kFloat ? rc.data_ptr<float>() : nullptr;
+  const c10::BFloat16* rb = rc.defined() && x.scalar_type() == at::kBFloat16 ? rc.data_ptr<c10::BFloat16>() : nullptr;
   const int64_t M = c.lo.M, P = c.P;
   const std::vector<float>& bf = c.lo.bias;
   const int path = c.path;
@@ -667,8 +679,14 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         for (int64_t j = 0; j < cols; ++j) v[j] += bias_p[p * NB4 + j];
       const int64_t o = (r0 + r) * n + p * NB4;
       if (out_bf16) {
-        for (int64_t j = 0; j < cols; ++j) ob[o + j] = c10::BFloat16(v[j]);
+        if (rb != nullptr)
+          for (int64_t j = 0; j < cols; ++j)
+            ob[o + j] = c10::BFloat16(static_cast<float>(c10::BFloat16(v[j])) + static_cast<float>(rb[o + j]));
+        else
+          for (int64_t j = 0; j < cols; ++j) ob[o + j] = c10::BFloat16(v[j]);
       } else {
+        if (rf != nullptr)
+          for (int64_t j = 0; j < cols; ++j) v[j] += rf[o + j];
         std::memcpy(of + o, v, static_cast<size_t>(cols) * sizeof(float));
       }
     }
@@ -717,6 +735,19 @@ at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     }
   });
   return out;
+}
+
+at::Tensor linear_w4a8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                       const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  return w4a8_linear("fxc::linear_w4a8", x, w, scales, mins, bias, n, group_size, nullptr);
+}
+
+// fxc::linear_w4a8_add: residual + linear_w4a8(x, ...) with the sum formed in the linear's output loop (a layer's
+// o_proj / down_proj and its residual add as one op), bit for bit the two ops.
+at::Tensor linear_w4a8_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                           const std::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t n,
+                           int64_t group_size) {
+  return w4a8_linear("fxc::linear_w4a8_add", x, w, scales, mins, bias, n, group_size, &residual);
 }
 
 
@@ -816,4 +847,5 @@ TORCH_LIBRARY_IMPL(fxc, CPU, m) {
   m.impl("linear_w8a8", &fxcw8a8::linear_w8a8);
   m.impl("linear_w4a8", &fxcw8a8::linear_w4a8);
   m.impl("linear_w4a8_silu_mul", &fxcw8a8::linear_w4a8_silu_mul);
+  m.impl("linear_w4a8_add", &fxcw8a8::linear_w4a8_add);
 }
