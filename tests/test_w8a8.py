@@ -228,6 +228,13 @@ def test_avx2_build_and_path_in_a_subprocess():
             "    w, x = torch.randn(n, k), torch.randn(m, k)\n"
             "    P = pack_w4a8(*unpack_int4(*quantize_linear_weight_int4(w, 32), n), 32)\n"
             "    assert torch.equal(linear_w4a8(x, *P, None, n, 32), linear_w4a8_reference(x, *P, None, n, 32))\n"
+            "from fxcompiler.ops.w4a8_linear import linear_w4a8_add, linear_w4a8_silu_mul\n"
+            "for m in (1, 5):\n"  # the fused forms: an AVX2 build runs the two ops in one call
+            "    x, r = torch.randn(m, 64), torch.randn(m, 64)\n"
+            "    P = pack_w4a8(*unpack_int4(*quantize_linear_weight_int4(torch.randn(64, 64), 32), 64), 32)\n"
+            "    y = linear_w4a8(x, *P, None, 64, 32)\n"
+            "    assert torch.equal(linear_w4a8_silu_mul(x, *P, None, 64, 32), torch.ops.fxc.silu_mul(y[:, :32], y[:, 32:]))\n"
+            "    assert torch.equal(linear_w4a8_add(x, *P, None, r, 64, 32), r + y)\n"
             "print('ok', w8a8.path())\n")
     env = {k: v for k, v in os.environ.items() if k not in ("FXCOMPILER_CPU_ISA", "FXCOMPILER_W8A8_PATH")}
     env.update(FXCOMPILER_CPU_ISA="avx2", FXCOMPILER_W8A8_PATH="avx2",
