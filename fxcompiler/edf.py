@@ -148,7 +148,7 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
         # the fused gated MLP: the kept fxc::linear_w4a8 and silu_mul's reference (Inductor fuses it)
         ops.linear_w4a8_silu_mul.default: (_linear_w4a8_silu_mul_calling_the_op if "linear_w4a8" in keep
                                            else w4a8.linear_w4a8_silu_mul_aten),
-        ops.linear_w4a8_add.default: (_linear_w4a8_add_calling_the_op if "linear_w4a8" in keep
+        ops.linear_w4a8_add.default: (w4a8.linear_w4a8_add_reference if "linear_w4a8" in keep  # calls the op
                                       else w4a8.linear_w4a8_add_aten),
         ops.linear_f8f8.default: f8lin.linear_f8f8_composite,  # row quantization inlined, linear_f8 kept
         ops.linear_by_m.default: lin.linear_by_m_dense,
@@ -164,11 +164,6 @@ def _linear_w4a8_silu_mul_calling_the_op(x, w, scales, mins, bias, n, group_size
 
     gate, up = torch.ops.fxc.linear_w4a8.default(x, w, scales, mins, bias, n, group_size).split(n // 2, dim=-1)
     return silu_mul_reference(gate, up)
-
-
-def _linear_w4a8_add_calling_the_op(x, w, scales, mins, bias, residual, n, group_size):
-    """``fxc::linear_w4a8_add`` as a kept ``fxc::linear_w4a8`` and an ATen add."""
-    return residual + torch.ops.fxc.linear_w4a8.default(x, w, scales, mins, bias, n, group_size)
 
 
 def _qkv_attention_calling_the_op(qkv, cos, sin, *args):

@@ -35,6 +35,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import fxcompiler.ops.fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul / fxc::rope)
+from fxcompiler.ops.w4a8_linear import NB4  # (and defines fxc::linear_w4a8_silu_mul / fxc::linear_w4a8_add)
 from fxcompiler.pass_manager import CompileContext, PassRequirements, PassResult, register_pass
 from fxcompiler.pattern_matcher import PatternMatcherPass, Scalar
 
@@ -258,8 +259,6 @@ class FuseLinearSiluMulPass:
     requires = PassRequirements(after=("quantize", "fuse_projections", "fuse_silu_mul"))  # the op, split, silu_mul
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
-        import fxcompiler.ops.w4a8_linear  # noqa: F401  (defines fxc::linear_w4a8_silu_mul)
-
         graph, fused = gm.graph, 0
         for sm in [n for n in graph.nodes if _is(n, torch.ops.fxc.silu_mul.default)]:
             match = self._match(sm)
@@ -290,7 +289,7 @@ class FuseLinearSiluMulPass:
         n = lin.args[5]
         if lv is None or lv.dtype != torch.float32 or dim not in (-1, lv.dim() - 1):
             return None  # bf16 x: the fused op would only run the two ops; keep the graph as it is
-        if list(sizes) != [n // 2, n // 2] or n % 32:
+        if list(sizes) != [n // 2, n // 2] or n % (2 * NB4):  # the halves on whole panels
             return None
         return lin, split, (gate, up)
 
@@ -304,8 +303,6 @@ class FuseLinearAddPass:
     requires = PassRequirements(after=("quantize",))
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
-        import fxcompiler.ops.w4a8_linear  # noqa: F401  (defines fxc::linear_w4a8_add)
-
         graph, fused = gm.graph, 0
         for add in [n for n in graph.nodes if _is(n, aten.add.Tensor)]:
             match = self._match(add)

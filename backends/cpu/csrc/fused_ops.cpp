@@ -76,12 +76,8 @@ void silu_mul_f32(const float* g0, int64_t gs, const float* u0, int64_t us, floa
       float* y = y0 + r * H;
       int64_t i = 0;
 #ifdef __AVX512F__
-      const __m512 one = _mm512_set1_ps(1.0f);
-      for (; i + 16 <= H; i += 16) {
-        __m512 a = _mm512_loadu_ps(g + i);
-        __m512 s = _mm512_div_ps(a, _mm512_add_ps(one, fxc::exp512(_mm512_sub_ps(_mm512_setzero_ps(), a))));
-        _mm512_storeu_ps(y + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
-      }
+      for (; i + 16 <= H; i += 16)
+        _mm512_storeu_ps(y + i, fxc::silu_mul512(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
       for (; i < H; ++i) y[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
     }

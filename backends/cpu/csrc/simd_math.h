@@ -31,6 +31,13 @@ inline __m512 exp512(__m512 v) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// silu(g) * u in fp32, 16 lanes: g / (1 + exp512(-g)) * u. fxc::silu_mul's fp32 kernel and the fused W4A8
+// gate/up epilogue (w8a8_kernels.cpp) both call this, so the fused op equals the two ops bit for bit.
+inline __m512 silu_mul512(__m512 g, __m512 u) {
+  const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(s, u);
+}
+
 // Lane t of the result = the sum of the 16 lanes of v[t]: a transpose-add tree (45 ops for 16
 // horizontal sums instead of ~10 each).
 inline __m512 sum16(const __m512* v) {

@@ -32,7 +32,7 @@
 
 #include <immintrin.h>
 
-#include "simd_math.h"  // fxc::exp512: fxc::silu_mul's exp, for the fused epilogue
+#include "simd_math.h"  // fxc::silu_mul512: fxc::silu_mul's fp32 step, for the fused epilogue
 
 #include <algorithm>
 #include <atomic>
@@ -754,8 +754,8 @@ at::Tensor linear_w4a8_add(const at::Tensor& x, const at::Tensor& w, const at::T
 // fxc::linear_w4a8_silu_mul: silu(y[..., :H]) * y[..., H:] of y = linear_w4a8(x, ...) with n = 2H (a fused
 // gate/up projection), H a multiple of 16 so that gate panel j and up panel j + H/16 cover the same columns.
 // fp32 x on AVX-512 builds: each pair of panels is computed together (any path: the sums are the same bit for
-// bit) and the product formed in registers with fxc::silu_mul's own fp32 step (csrc/fused_ops.cpp
-// silu_mul_f32: g / (1 + exp512(-g)) * u), so the result equals the unfused linear_w4a8 -> split -> silu_mul
+// bit) and the product formed in registers with fxc::silu_mul's own fp32 step (fxc::silu_mul512 in
+// simd_math.h, which csrc/fused_ops.cpp's silu_mul_f32 calls), so the result equals the unfused linear_w4a8 -> split -> silu_mul
 // graph bit for bit, without the 2H-wide intermediate, the split and the second op. Otherwise (bf16 x, other
 // builds) exactly that graph: linear_w4a8, then fxc::silu_mul on the halves.
 at::Tensor linear_w4a8_silu_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
@@ -784,9 +784,8 @@ at::Tensor linear_w4a8_silu_mul(const at::Tensor& x, const at::Tensor& w, const 
   const W4A8& a = c.a;
   float* of = c.lo.out.data_ptr<float>();
   const float* bias_p = c.lo.bias.empty() ? nullptr : c.lo.bias.data();
-  // gate panel j's rows r0.. from res (stream sg) and the up panel's (stream su): bias, then silu_mul_f32's step
+  // gate panel j's rows r0.. from res (stream sg) and the up panel's (stream su): bias, then silu_mul's step
   auto emit = [&](int64_t j, int64_t r0, int rows, const float* res, int sg, int su) {
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int r = 0; r < rows; ++r) {
       alignas(64) float gv[NB4], uv[NB4];
       std::memcpy(gv, res + (sg * rows + r) * NB4, sizeof(gv));
@@ -796,9 +795,7 @@ at::Tensor linear_w4a8_silu_mul(const at::Tensor& x, const at::Tensor& w, const 
           gv[t] += bias_p[j * NB4 + t];
           uv[t] += bias_p[H + j * NB4 + t];
         }
-      const __m512 g = _mm512_load_ps(gv);
-      const __m512 sg_ = _mm512_div_ps(g, _mm512_add_ps(one, fxc::exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-      _mm512_storeu_ps(of + (r0 + r) * H + j * NB4, _mm512_mul_ps(sg_, _mm512_load_ps(uv)));
+      _mm512_storeu_ps(of + (r0 + r) * H + j * NB4, fxc::silu_mul512(_mm512_load_ps(gv), _mm512_load_ps(uv)));
     }
   };
   if (M <= 4) {
