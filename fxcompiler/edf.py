@@ -150,6 +150,10 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
                                            else w4a8.linear_w4a8_silu_mul_aten),
         ops.linear_w4a8_add.default: (w4a8.linear_w4a8_add_reference if "linear_w4a8" in keep  # calls the op
                                       else w4a8.linear_w4a8_add_aten),
+        ops.linear_w8_silu_mul.default: (_linear_w8_silu_mul_calling_the_op if "linear_w8" in keep
+                                         else lin.linear_w8_silu_mul_aten),
+        ops.linear_w8_add.default: (lin.linear_w8_add_reference if "linear_w8" in keep  # calls the op
+                                    else lin.linear_w8_add_aten),
         ops.linear_f8f8.default: f8lin.linear_f8f8_composite,  # row quantization inlined, linear_f8 kept
         ops.linear_by_m.default: lin.linear_by_m_dense,
         ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined
@@ -163,6 +167,14 @@ def _linear_w4a8_silu_mul_calling_the_op(x, w, scales, mins, bias, n, group_size
     from .ops.fused import silu_mul_reference
 
     gate, up = torch.ops.fxc.linear_w4a8.default(x, w, scales, mins, bias, n, group_size).split(n // 2, dim=-1)
+    return silu_mul_reference(gate, up)
+
+
+def _linear_w8_silu_mul_calling_the_op(x, w, scales, bias, n, group_size):
+    """``fxc::linear_w8_silu_mul`` as a kept ``fxc::linear_w8`` and ``fxc::silu_mul``'s reference."""
+    from .ops.fused import silu_mul_reference
+
+    gate, up = torch.ops.fxc.linear_w8.default(x, w, scales, bias, n, group_size).split(n // 2, dim=-1)
     return silu_mul_reference(gate, up)
 
 

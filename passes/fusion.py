@@ -11,10 +11,11 @@
   three small ones. Views of one tensor to the same shape count as the same activation
   (each linear that ``decompose(model_rewrite=True)`` splits makes its own ``view``).
 
-* ``fuse_linear_silu_mul``: ``fxc::silu_mul`` of the halves of a fused gate/up ``fxc::linear_w4a8`` becomes one
-  ``fxc::linear_w4a8_silu_mul`` (the product in the linear's epilogue); runs after ``quantize``.
-* ``fuse_linear_add``: ``residual + fxc::linear_w4a8(...)`` becomes one ``fxc::linear_w4a8_add`` (the sum in the
-  linear's output loop); runs after ``quantize``.
+* ``fuse_linear_silu_mul``: ``fxc::silu_mul`` of the halves of a fused gate/up ``fxc::linear_w4a8`` or
+  ``fxc::linear_w8`` becomes one ``fxc::linear_w4a8_silu_mul`` / ``fxc::linear_w8_silu_mul`` (the product in the
+  linear's epilogue); runs after ``quantize``.
+* ``fuse_linear_add``: ``residual + fxc::linear_w4a8(...)`` (or ``fxc::linear_w8``) becomes one
+  ``fxc::linear_w4a8_add`` / ``fxc::linear_w8_add`` (the sum in the linear's output loop); runs after ``quantize``.
 
 * ``fuse_qkv_attention``: the heads of a fused q/k/v projection (``split_with_sizes`` → ``view`` →
   ``permute``), the rotary embedding of q and k (``fxc::rope``), ``fxc::paged_attention`` and the
@@ -30,11 +31,13 @@ replaces each group's weights by one concatenated parameter input.
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 import torch
 from torch.fx import GraphModule, Node
 
 import fxcompiler.ops.fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul / fxc::rope)
+from fxcompiler.ops.linear import NB  # (and defines fxc::linear_w8_silu_mul / fxc::linear_w8_add)
 from fxcompiler.ops.w4a8_linear import NB4  # (and defines fxc::linear_w4a8_silu_mul / fxc::linear_w4a8_add)
 from fxcompiler.pass_manager import CompileContext, PassRequirements, PassResult, register_pass
 from fxcompiler.pattern_matcher import PatternMatcherPass, Scalar
@@ -249,30 +252,54 @@ def _heads_of(node, split: Node | None):
     return sp, index, views[0], bias
 
 
+@dataclass(frozen=True)
+class _EpilogueFusion:
+    """A linear op and its fused variants: where ``n`` sits in its arguments, the panel width its gate/up halves
+    must be whole multiples of, and whether bf16 activations fuse (else the fused op would only run the two ops)."""
+
+    silu_mul: object
+    add: object
+    n_arg: int
+    panel: int
+    bf16_silu: bool
+
+
+def _epilogue_fusions() -> dict:
+    ops = torch.ops.fxc
+    return {
+        ops.linear_w4a8.default: _EpilogueFusion(ops.linear_w4a8_silu_mul.default, ops.linear_w4a8_add.default,
+                                                 n_arg=5, panel=NB4, bf16_silu=False),
+        ops.linear_w8.default: _EpilogueFusion(ops.linear_w8_silu_mul.default, ops.linear_w8_add.default,
+                                               n_arg=4, panel=NB, bf16_silu=True),
+    }
+
+
 @register_pass("fuse_linear_silu_mul")
 class FuseLinearSiluMulPass:
-    """``fxc::silu_mul`` of the two halves of one fused gate/up ``fxc::linear_w4a8`` (``split_with_sizes`` into
-    ``[H, H]`` on the last dim, ``H`` a multiple of 16) becomes one ``fxc::linear_w4a8_silu_mul``: the product is
-    formed in the linear's epilogue, bit for bit the two ops' result, without the ``2H``-wide intermediate
-    (decode: two dispatches fewer per layer). Other linear ops are left as they are."""
+    """``fxc::silu_mul`` of the two halves of one fused gate/up ``fxc::linear_w4a8`` or ``fxc::linear_w8``
+    (``split_with_sizes`` into ``[H, H]`` on the last dim, ``H`` a multiple of the op's panel width: 16 / 32) becomes
+    one ``fxc::linear_w4a8_silu_mul`` / ``fxc::linear_w8_silu_mul``: the product is formed in the linear's epilogue,
+    bit for bit the two ops' result, without the ``2H``-wide intermediate (decode: two dispatches fewer per layer).
+    W4A8 fuses fp32 activations only (its bf16 epilogue would run the two ops); W8 fuses both. Other linear ops are
+    left as they are."""
 
     requires = PassRequirements(after=("quantize", "fuse_projections", "fuse_silu_mul"))  # the op, split, silu_mul
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
-        graph, fused = gm.graph, 0
+        graph, fused, fusions = gm.graph, 0, _epilogue_fusions()
         for sm in [n for n in graph.nodes if _is(n, torch.ops.fxc.silu_mul.default)]:
-            match = self._match(sm)
+            match = self._match(sm, fusions)
             if match is None:
                 continue
             lin, split, gates = match
-            _replace_with_call(graph, sm, torch.ops.fxc.linear_w4a8_silu_mul.default, tuple(lin.args))
+            _replace_with_call(graph, sm, fusions[lin.target].silu_mul, tuple(lin.args))
             for n in [sm, *gates, split, lin]:
                 graph.erase_node(n)
             fused += 1
         return PassResult(gm, fused > 0, {"fused": fused})
 
     @staticmethod
-    def _match(sm: Node):
+    def _match(sm: Node, fusions: dict):
         gate, up = sm.args[:2] if len(sm.args) == 2 and not sm.kwargs else (None, None)
         if not (_is(gate, operator.getitem) and _is(up, operator.getitem) and gate.args[1] == 0 and up.args[1] == 1):
             return None
@@ -283,47 +310,52 @@ class FuseLinearSiluMulPass:
             return None
         lin, sizes = split.args[0], split.args[1]
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-        if not _is(lin, torch.ops.fxc.linear_w4a8.default) or len(lin.users) != 1 or lin.kwargs:
+        f = fusions.get(lin.target) if isinstance(lin, Node) and lin.op == "call_function" else None
+        if f is None or len(lin.users) != 1 or lin.kwargs:
             return None
         lv = _val(lin)
-        n = lin.args[5]
-        if lv is None or lv.dtype != torch.float32 or dim not in (-1, lv.dim() - 1):
-            return None  # bf16 x: the fused op would only run the two ops; keep the graph as it is
-        if list(sizes) != [n // 2, n // 2] or n % (2 * NB4):  # the halves on whole panels
+        n = lin.args[f.n_arg]
+        if lv is None or dim not in (-1, lv.dim() - 1):
+            return None
+        if lv.dtype != torch.float32 and not (f.bf16_silu and lv.dtype == torch.bfloat16):
+            return None  # the fused op would only run the two ops; keep the graph as it is
+        if list(sizes) != [n // 2, n // 2] or n % (2 * f.panel):  # the halves on whole panels
             return None
         return lin, split, (gate, up)
 
 
 @register_pass("fuse_linear_add")
 class FuseLinearAddPass:
-    """``residual + fxc::linear_w4a8(...)`` (``aten.add.Tensor`` of the linear, used by nothing else, and a tensor of
-    its shape and dtype) becomes one ``fxc::linear_w4a8_add``: the sum formed in the linear's output loop, bit for
-    bit the two ops (each layer's o_proj and down_proj with their residual adds: one dispatch fewer each)."""
+    """``residual + fxc::linear_w4a8(...)`` or ``residual + fxc::linear_w8(...)`` (``aten.add.Tensor`` of the linear,
+    used by nothing else, and a tensor of its shape and dtype) becomes one ``fxc::linear_w4a8_add`` /
+    ``fxc::linear_w8_add``: the sum formed in the linear's output loop, bit for bit the two ops (each layer's o_proj
+    and down_proj with their residual adds: one dispatch fewer each)."""
 
     requires = PassRequirements(after=("quantize",))
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
-        graph, fused = gm.graph, 0
+        graph, fused, fusions = gm.graph, 0, _epilogue_fusions()
         for add in [n for n in graph.nodes if _is(n, aten.add.Tensor)]:
-            match = self._match(add)
+            match = self._match(add, fusions)
             if match is None:
                 continue
             lin, residual = match
-            x, w, scales, mins, bias, n, gs = lin.args
-            _replace_with_call(graph, add, torch.ops.fxc.linear_w4a8_add.default,
-                               (x, w, scales, mins, bias, residual, n, gs))
+            f = fusions[lin.target]
+            args = (*lin.args[:f.n_arg], residual, *lin.args[f.n_arg:])  # the residual goes before n
+            _replace_with_call(graph, add, f.add, args)
             graph.erase_node(add)
             graph.erase_node(lin)
             fused += 1
         return PassResult(gm, fused > 0, {"fused": fused})
 
     @staticmethod
-    def _match(add: Node):
+    def _match(add: Node, fusions: dict):
         if len(add.args) != 2 or add.kwargs.get("alpha", 1) != 1 or set(add.kwargs) - {"alpha"}:
             return None
         for lin, other in (add.args, add.args[::-1]):
-            if not _is(lin, torch.ops.fxc.linear_w4a8.default) or len(lin.users) != 1 or lin.kwargs \
-                    or len(lin.args) != 7 or not isinstance(other, Node):
+            f = fusions.get(lin.target) if isinstance(lin, Node) and lin.op == "call_function" else None
+            if f is None or len(lin.users) != 1 or lin.kwargs or len(lin.args) != f.n_arg + 2 \
+                    or not isinstance(other, Node):
                 continue
             lv, ov, av = _val(lin), _val(other), _val(add)
             if lv is None or ov is None or av is None:

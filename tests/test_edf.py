@@ -267,6 +267,35 @@ def test_edf_extern_ops_policy_and_package_key():
     assert torch.equal(aten_only(*args)[0], gm(*args)[0])
 
 
+def test_w8_epilogue_fusions_keep_their_linear_as_the_extern_call():
+    """``fxc::linear_w8_silu_mul`` and ``fxc::linear_w8_add`` (passes/fusion.py): the kept ``fxc::linear_w8`` call and
+    ATen for the product or the sum; all ATen off the CPU."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxcompiler import edf
+    from fxcompiler.ops.linear import quantize_linear_weight_int8
+
+    class SiluMul(torch.nn.Module):
+        def forward(self, x, q, s):
+            return (torch.ops.fxc.linear_w8_silu_mul.default(x, q, s, None, 64, -1),)
+
+    class Add(torch.nn.Module):
+        def forward(self, x, q, s, r):
+            return (torch.ops.fxc.linear_w8_add.default(x, q, s, None, r, 64, -1),)
+
+    q, s = quantize_linear_weight_int8(torch.randn(64, 16))
+    for module, args in ((SiluMul(), (torch.randn(3, 16), q, s)), (Add(), (torch.randn(3, 16), q, s, torch.randn(3, 64)))):
+        gm = torch.fx.symbolic_trace(module)
+        for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), args):
+            n.meta["val"] = v
+        kept = edf.aten_graph_module(gm, edf.extern_ops("cpu"))
+        assert _fxc_calls(make_fx(kept)(*args)) == ["linear_w8"]  # what export traces the package from
+        aten_only = edf.aten_graph_module(gm)
+        assert _fxc_calls(make_fx(aten_only)(*args)) == []
+        assert torch.allclose(kept(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-5)
+        assert torch.allclose(aten_only(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_package_key_ignores_symbol_names():
     """Graphs whose meta was re-derived (compile/build cache hits, artifacts) name their symbolic
     dims differently; the package key must not see it (else every warm start recompiles)."""

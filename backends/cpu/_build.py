@@ -115,8 +115,11 @@ def compile_flags(isa: str) -> list[str]:
 def build_name(isa: str, flags: list[str]) -> str:
     h = hashlib.sha256()
     for src in _SOURCES:
+        text = (_CSRC / src).read_bytes()
         h.update(src.encode())
-        h.update((_CSRC / src).read_bytes())
+        h.update(text)
+        for header in re.findall(rb'^#include "([^"]+)"', text, flags=re.M):  # its own headers: in the key
+            h.update((_CSRC / header.decode()).read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
     return f"fxc_cpu_{isa}_{h.hexdigest()[:12]}"

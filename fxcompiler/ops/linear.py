@@ -16,6 +16,13 @@ IR level (this module, importable by passes and backends alike):
 ``fxc::linear_w8(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size) -> Tensor``
     int8 weight-only, per-channel (``group_size`` -1 or K) or per-group scales, from
     :func:`quantize_linear_weight_int8`.
+``fxc::linear_w8_add(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, Tensor residual, int n, int group_size)``
+    ``residual + fxc::linear_w8(...)`` as one op (an output projection and its residual add; the sum formed in the
+    linear's epilogue), bit for bit the two ops.
+``fxc::linear_w8_silu_mul(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size)``
+    ``fxc::silu_mul`` of the halves of ``fxc::linear_w8(...)`` with ``n = 2H``, ``H`` a multiple of 32 (a fused
+    gate/up projection and its product as one op; decode rows never write the ``2H``-wide intermediate), bit for
+    bit the graph it replaces. Both are emitted by ``passes/fusion.py`` after ``quantize``.
 ``fxc::linear_by_m(Tensor x, Tensor w_packed, Tensor w_dense, bool w_kn, Tensor? bias, int n, int[] fxc_m) -> Tensor``
     the per-M-range choice of ``passes/lower_cpu_kernels``: with ``M = x.numel() / K`` rows inside one of the
     inclusive ranges ``fxc_m = [lo0, hi0, lo1, hi1, ...]`` (``hi = -1``: unbounded) it is ``fxc::linear(x,
@@ -48,9 +55,13 @@ from typing import Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from .fused import silu_mul_reference  # (and defines fxc::silu_mul, which linear_w8_silu_mul's reference calls)
+
 __all__ = [
     "NB", "LinearKernelTuner", "LinearTimings", "dequantize_linear_weight_int8", "linear", "linear_reference",
-    "linear_w8", "linear_w8_reference", "pack_linear_weight", "quantize_linear_weight_int8",
+    "linear_w8", "linear_w8_add", "linear_w8_add_aten", "linear_w8_add_reference", "linear_w8_reference",
+    "linear_w8_silu_mul", "linear_w8_silu_mul_aten", "linear_w8_silu_mul_reference", "check_silu_mul_width",
+    "pack_linear_weight", "quantize_linear_weight_int8",
     "set_cpu_kernel_loader", "unpack_linear_weight", "linear_by_m", "linear_by_m_reference", "m_in_ranges",
 ]
 
@@ -60,6 +71,10 @@ NB = 32  # output columns per panel
 _lib = torch.library.Library("fxc", "FRAGMENT")
 _lib.define("linear(Tensor x, Tensor w_packed, Tensor? bias, int n) -> Tensor")
 _lib.define("linear_w8(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size) -> Tensor")
+_lib.define("linear_w8_add(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, Tensor residual, int n, "
+            "int group_size) -> Tensor")
+_lib.define("linear_w8_silu_mul(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size) "
+            "-> Tensor")
 _lib.define("linear_by_m(Tensor x, Tensor w_packed, Tensor w_dense, bool w_kn, Tensor? bias, int n, int[] fxc_m) "
             "-> Tensor")
 
@@ -196,6 +211,29 @@ def _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size):
     return x.new_empty(_out_shape(x, n))
 
 
+@torch.library.register_fake("fxc::linear_w8_add", lib=_lib)
+def _linear_w8_add_fake(x, w_int8_packed, scales, bias, residual, n, group_size):
+    y = _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size)
+    torch._check(tuple(residual.shape) == tuple(y.shape) and residual.dtype == y.dtype,
+                 lambda: f"fxc::linear_w8_add: residual must be {y.dtype} {tuple(y.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    return y
+
+
+def check_silu_mul_width(n: int) -> None:
+    """``fxc::linear_w8_silu_mul``'s ``n``: ``2 H`` with ``H`` a multiple of ``NB`` (the halves on whole panels)."""
+    if n <= 0 or n % (2 * NB):
+        raise ValueError(f"fxc::linear_w8_silu_mul needs n = 2 * H with H a multiple of {NB}, got n={n}")
+
+
+@torch.library.register_fake("fxc::linear_w8_silu_mul", lib=_lib)
+def _linear_w8_silu_mul_fake(x, w_int8_packed, scales, bias, n, group_size):
+    torch._check(n > 0 and n % (2 * NB) == 0,
+                 lambda: f"fxc::linear_w8_silu_mul: n={n} must be 2 * H with H a multiple of {NB}")
+    _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size)
+    return x.new_empty(_out_shape(x, n // 2))
+
+
 @torch.library.register_fake("fxc::linear_by_m", lib=_lib)
 def _linear_by_m_fake(x, w_packed, w_dense, w_kn, bias, n, fxc_m):
     _check_linear(x, w_packed, n)
@@ -221,6 +259,30 @@ def linear_w8_reference(x, w_int8_packed, scales, bias, n, group_size):
     w = dequantize_linear_weight_int8(w_int8_packed, scales, n, group_size).to(x.device)
     b = None if bias is None else bias.float()
     return F.linear(x.float(), w, b).to(x.dtype)
+
+
+def linear_w8_add_reference(x, w_int8_packed, scales, bias, residual, n, group_size):
+    """``residual + fxc::linear_w8(x, ...)``: the graph ``fxc::linear_w8_add`` replaces."""
+    return residual + torch.ops.fxc.linear_w8.default(x, w_int8_packed, scales, bias, n, group_size)
+
+
+def linear_w8_add_aten(x, w_int8_packed, scales, bias, residual, n, group_size):
+    """``fxc::linear_w8_add`` in ATen ops only (edf off the CPU)."""
+    return residual + linear_w8_reference(x, w_int8_packed, scales, bias, n, group_size)
+
+
+def linear_w8_silu_mul_reference(x, w_int8_packed, scales, bias, n, group_size):
+    """``fxc::silu_mul`` of the halves of ``fxc::linear_w8(x, ...)``: the graph ``fxc::linear_w8_silu_mul`` replaces."""
+    check_silu_mul_width(n)
+    y = torch.ops.fxc.linear_w8.default(x, w_int8_packed, scales, bias, n, group_size)
+    return torch.ops.fxc.silu_mul.default(y[..., : n // 2], y[..., n // 2:])
+
+
+def linear_w8_silu_mul_aten(x, w_int8_packed, scales, bias, n, group_size):
+    """``fxc::linear_w8_silu_mul`` in ATen ops only (edf off the CPU)."""
+    check_silu_mul_width(n)
+    y = linear_w8_reference(x, w_int8_packed, scales, bias, n, group_size)
+    return silu_mul_reference(y[..., : n // 2], y[..., n // 2:])
 
 
 def m_in_ranges(m: int, fxc_m: Sequence[int]) -> bool:
@@ -277,6 +339,10 @@ def _composite(op, reference, get_loader=lambda: _cpu_kernel_loader):
 
 _lib.impl("linear", _composite(torch.ops.fxc.linear.default, linear_reference), "CompositeExplicitAutograd")
 _lib.impl("linear_w8", _composite(torch.ops.fxc.linear_w8.default, linear_w8_reference), "CompositeExplicitAutograd")
+_lib.impl("linear_w8_add", _composite(torch.ops.fxc.linear_w8_add.default, linear_w8_add_reference),
+          "CompositeExplicitAutograd")
+_lib.impl("linear_w8_silu_mul", _composite(torch.ops.fxc.linear_w8_silu_mul.default, linear_w8_silu_mul_reference),
+          "CompositeExplicitAutograd")
 
 # No loader step: the reference calls fxc::linear, whose first CPU call loads the library (which registers
 # the C++ kernel of this op too).
@@ -285,6 +351,8 @@ _lib.impl("linear_by_m", linear_by_m_reference, "CompositeExplicitAutograd")
 linear = torch.ops.fxc.linear.default
 linear_by_m = torch.ops.fxc.linear_by_m.default
 linear_w8 = torch.ops.fxc.linear_w8.default
+linear_w8_add = torch.ops.fxc.linear_w8_add.default
+linear_w8_silu_mul = torch.ops.fxc.linear_w8_silu_mul.default
 
 
 # ---------------------------------------------------------------------------

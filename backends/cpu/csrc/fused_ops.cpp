@@ -21,9 +21,9 @@ using namespace at;  // the torch:: names below (Tensor, empty, kLong, ...) are 
 #include <vector>
 #ifdef __AVX512F__
 #include <immintrin.h>
-#include <sleef.h>  // shipped with torch; libtorch_cpu exports the functions ATen's Vectorized<float> uses
 #endif
 
+#include "bf16_simd.h"  // bf16 loads/stores/rounding and the bf16 silu step, shared with the linear epilogues
 #include "simd_math.h"
 
 // The float vector width of ATen's sum kernel (8 or 16), found by the loader by comparison with
@@ -85,33 +85,10 @@ void silu_mul_f32(const float* g0, int64_t gs, const float* u0, int64_t us, floa
 }
 
 #ifdef __AVX512F__
-// bf16 <-> fp32 in registers: widening is exact; narrowing rounds to nearest even (NaN -> 0x7FC0),
-// what c10::BFloat16 and ATen's cvtfp32_bf16 do.
-inline __m512 bf16_load(const c10::BFloat16* p, __mmask16 k) {
-  const __m256i h = _mm256_maskz_loadu_epi16(k, p);
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-inline __m256i bf16_round(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-inline void bf16_store(c10::BFloat16* p, __m512 v, __mmask16 k) { _mm256_mask_storeu_epi16(p, k, bf16_round(v)); }
-
-// The value rounded to bf16 and widened again (an intermediate ATen stores as a bf16 tensor).
-inline __m512 bf16_r(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
-                               _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
-  return _mm512_castsi512_ps(r);
-}
+using fxc::bf16_load;
+using fxc::bf16_r;
+using fxc::bf16_round;
+using fxc::bf16_store;
 
 inline __mmask16 tail_mask(int64_t left) {
   return left >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << left) - 1);
@@ -123,16 +100,12 @@ inline __mmask16 tail_mask(int64_t left) {
 void silu_mul_bf16(const c10::BFloat16* g0, int64_t gs, const c10::BFloat16* u0, int64_t us, c10::BFloat16* y0,
                    int64_t rows, int64_t H) {
   at::parallel_for(0, rows, row_grain(H), [&](int64_t rb, int64_t re) {
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (int64_t r = rb; r < re; ++r) {
       const c10::BFloat16* g = g0 + r * gs;
       const c10::BFloat16* u = u0 + r * us;
       c10::BFloat16* y = y0 + r * H;
       auto step = [&](int64_t i, __mmask16 k) {
-        const __m512 a = bf16_load(g + i, k);
-        const __m512 e = Sleef_expf16_u10(_mm512_sub_ps(_mm512_setzero_ps(), a));
-        const __m512 s = bf16_r(_mm512_div_ps(a, _mm512_add_ps(one, e)));
-        bf16_store(y + i, _mm512_mul_ps(s, bf16_load(u + i, k)), k);
+        bf16_store(y + i, fxc::silu_mul_bf16_512(bf16_load(g + i, k), bf16_load(u + i, k)), k);
       };
       int64_t i = 0;
       for (; i + 16 <= H; i += 16) step(i, static_cast<__mmask16>(0xFFFF));

@@ -24,6 +24,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/add.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
@@ -44,6 +45,11 @@
 #include <cstring>
 #include <optional>
 #include <vector>
+
+#if defined(FXC_AVX512)
+#include "bf16_simd.h"  // bf16 rounding and the bf16 silu step, shared with csrc/fused_ops.cpp
+#include "simd_math.h"  // fxc::silu_mul512, fxc::silu_mul's fp32 step
+#endif
 
 #ifndef FXC_PF_DIST
 #define FXC_PF_DIST 4096  // software prefetch distance in bytes (per stream)
@@ -299,8 +305,44 @@ struct Problem {
   int64_t ngroups = 0;
   float* out_f = nullptr;            // [M, n]
   c10::BFloat16* out_h = nullptr;    // [M, n]
+  const float* res_f = nullptr;          // residual [M, n] added to the output (fxc::linear_w8_add), fp32 out
+  const c10::BFloat16* res_h = nullptr;  // the same, bf16 out
 };
 
+#if defined(FXC_AVX512)
+// One output row segment (32 columns of panel p, row m) from two fp32 vectors of column sums: per-channel
+// scale, bias, bf16 rounding or fp32 store, masked N tail.  Every AVX-512 path (FMA, AMX, VDPBF16PS) ends here.
+FXC_INLINE void store_row_vec(const Problem& pb, int64_t p, int64_t m, __m512 v0, __m512 v1) {
+  const int64_t c0 = p * NB;
+  const int nc = static_cast<int>(std::min<int64_t>(NB, pb.n - c0));
+  const __mmask16 k0 = nc >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1);
+  const __mmask16 k1 = nc >= 32 ? __mmask16(0xFFFF) : (nc > 16 ? static_cast<__mmask16>((1u << (nc - 16)) - 1) : __mmask16(0));
+  if (pb.col_scale) {  // padded to P*32: full loads
+    v0 = _mm512_mul_ps(v0, _mm512_loadu_ps(pb.col_scale + c0));
+    v1 = _mm512_mul_ps(v1, _mm512_loadu_ps(pb.col_scale + c0 + 16));
+  }
+  if (pb.bias) {
+    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, pb.bias + c0));
+    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, pb.bias + c0 + 16));
+  }
+  const int64_t o = m * pb.n + c0;
+  if (pb.res_f) {  // residual + linear as the graph adds them: fl(y + r)
+    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, pb.res_f + o));
+    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, pb.res_f + o + 16));
+  } else if (pb.res_h) {  // bf16: y rounded to bf16 first, the sum in fp32 (rounded below)
+    v0 = _mm512_add_ps(bf16_r(v0), bf16_load(pb.res_h + o, k0));
+    v1 = _mm512_add_ps(bf16_r(v1), bf16_load(pb.res_h + o + 16, k1));
+  }
+  if (pb.out_f) {
+    _mm512_mask_storeu_ps(pb.out_f + o, k0, v0);
+    _mm512_mask_storeu_ps(pb.out_f + o + 16, k1, v1);
+  } else {
+    uint16_t* dst = reinterpret_cast<uint16_t*>(pb.out_h + o);
+    _mm256_mask_storeu_epi16(dst, k0, bf16_round(v0));
+    _mm256_mask_storeu_epi16(dst + 16, k1, bf16_round(v1));
+  }
+}
+#else
 // One output row of panel p from 32 fp32 column sums in tmp (modified in place).
 FXC_INLINE void store_row(const Problem& pb, int64_t p, int64_t m, float* tmp) {
   const int64_t c0 = p * NB;
@@ -312,21 +354,33 @@ FXC_INLINE void store_row(const Problem& pb, int64_t p, int64_t m, float* tmp) {
     for (int c = 0; c < nc; ++c) tmp[c] += pb.bias[c0 + c];
   }
   const int64_t o = m * pb.n + c0;
+  if (pb.res_f) {
+    for (int c = 0; c < nc; ++c) tmp[c] += pb.res_f[o + c];
+  } else if (pb.res_h) {
+    for (int c = 0; c < nc; ++c)
+      tmp[c] = static_cast<float>(c10::BFloat16(tmp[c])) + static_cast<float>(pb.res_h[o + c]);
+  }
   if (pb.out_f) {
     std::memcpy(pb.out_f + o, tmp, sizeof(float) * nc);
   } else {
     for (int c = 0; c < nc; ++c) pb.out_h[o + c] = c10::BFloat16(tmp[c]);  // round to nearest even
   }
 }
+#endif
 
+// The rows m0 .. m0+MR of panel p from their accumulators.
 template <int MR>
 FXC_INLINE void epilogue(const Problem& pb, int64_t p, int64_t m0, reg (&acc)[MR][NV]) {
+#if defined(FXC_AVX512)
+  for (int m = 0; m < MR; ++m) store_row_vec(pb, p, m0 + m, acc[m][0], acc[m][1]);
+#else
   alignas(64) float tmp[NB];
   for (int m = 0; m < MR; ++m) {
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) Vec::store(tmp + j * Vec::L, acc[m][j]);
     store_row(pb, p, m0 + m, tmp);
   }
+#endif
 }
 
 // Direct path: weights converted in registers, rows m0 .. m0+MR of panel p.
@@ -562,15 +616,6 @@ struct ScratchBuf {
   }
 };
 
-// fp32 -> bf16 bits, round to nearest even (NaN -> 0x7FC0, as c10::BFloat16), 16 at a time.
-FXC_INLINE __m256i bf16_rne(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 struct AmxPlan {
   int64_t Q = 0;        // k pairs (incl. a zero odd k when K is odd)
   int64_t chunks = 0;   // 32-k chunks = A/B tile steps
@@ -601,11 +646,11 @@ void amx_pack_rows(const Problem& pb, const AmxPlan& pl, uint16_t* xh, uint16_t*
         _mm256_store_si256(reinterpret_cast<__m256i*>(xh + o), h);
       } else {
         const __m512 v = _mm512_maskz_loadu_ps(mk, pb.x + m * pb.ldx + k);
-        const __m256i hi = bf16_rne(v);
+        const __m256i hi = bf16_round(v);
         _mm256_store_si256(reinterpret_cast<__m256i*>(xh + o), hi);
         if (xl) {
           const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(hi), 16));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(xl + o), bf16_rne(_mm512_sub_ps(v, hf)));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(xl + o), bf16_round(_mm512_sub_ps(v, hf)));
         }
       }
     }
@@ -642,28 +687,7 @@ void amx_convert_i8_panel(const Problem& pb, const AmxPlan& pl, int64_t p, uint1
 
 // One output row segment (32 columns of panel p, row m) from fp32 sums.
 FXC_INLINE void amx_store_row(const Problem& pb, int64_t p, int64_t m, const float* src) {
-  const int64_t c0 = p * NB;
-  const int nc = static_cast<int>(std::min<int64_t>(NB, pb.n - c0));
-  const __mmask16 k0 = nc >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1);
-  const __mmask16 k1 = nc >= 32 ? __mmask16(0xFFFF) : (nc > 16 ? static_cast<__mmask16>((1u << (nc - 16)) - 1) : __mmask16(0));
-  __m512 v0 = _mm512_load_ps(src), v1 = _mm512_load_ps(src + 16);
-  if (pb.col_scale) {
-    v0 = _mm512_mul_ps(v0, _mm512_loadu_ps(pb.col_scale + c0));
-    v1 = _mm512_mul_ps(v1, _mm512_loadu_ps(pb.col_scale + c0 + 16));
-  }
-  if (pb.bias) {
-    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, pb.bias + c0));
-    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, pb.bias + c0 + 16));
-  }
-  const int64_t o = m * pb.n + c0;
-  if (pb.out_f) {
-    _mm512_mask_storeu_ps(pb.out_f + o, k0, v0);
-    _mm512_mask_storeu_ps(pb.out_f + o + 16, k1, v1);
-  } else {
-    uint16_t* dst = reinterpret_cast<uint16_t*>(pb.out_h + o);
-    _mm256_mask_storeu_epi16(dst, k0, bf16_rne(v0));
-    _mm256_mask_storeu_epi16(dst + 16, k1, bf16_rne(v1));
-  }
+  store_row_vec(pb, p, m, _mm512_load_ps(src), _mm512_load_ps(src + 16));
 }
 
 // Software prefetch of the next D panels (in processing order), spread over the steps of the current
@@ -985,37 +1009,6 @@ bool bf16dot_usable() {
   return g_bf16dot == 1;
 }
 
-// fp32 -> bf16 bits, round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16), 16 at a time.
-FXC_INLINE __m256i dot_bf16_rne(__m512 v) {
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7FFF)), lsb), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-
-// One output row segment (32 columns of panel p, row m) from two fp32 vectors: bias, bf16 rounding
-// or fp32 store, masked N tail.
-FXC_INLINE void dot_store_row(const Problem& pb, int64_t p, int64_t m, __m512 v0, __m512 v1) {
-  const int64_t c0 = p * NB;
-  const int nc = static_cast<int>(std::min<int64_t>(NB, pb.n - c0));
-  const __mmask16 k0 = nc >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << nc) - 1);
-  const __mmask16 k1 = nc >= 32 ? __mmask16(0xFFFF) : (nc > 16 ? static_cast<__mmask16>((1u << (nc - 16)) - 1) : __mmask16(0));
-  if (pb.bias) {
-    v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(k0, pb.bias + c0));
-    v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(k1, pb.bias + c0 + 16));
-  }
-  const int64_t o = m * pb.n + c0;
-  if (pb.out_f) {
-    _mm512_mask_storeu_ps(pb.out_f + o, k0, v0);
-    _mm512_mask_storeu_ps(pb.out_f + o + 16, k1, v1);
-  } else {
-    uint16_t* dst = reinterpret_cast<uint16_t*>(pb.out_h + o);
-    _mm256_mask_storeu_epi16(dst, k0, dot_bf16_rne(v0));
-    _mm256_mask_storeu_epi16(dst + 16, k1, dot_bf16_rne(v1));
-  }
-}
-
 // Rows [m0, m0 + MR) x panel p: x pairs [M][Q] (row stride ldq pairs), the panel's Q pair steps.
 template <int MR>
 FXC_BF16_TARGET __attribute__((noinline)) void dot_panel(const Problem& pb, const uint32_t* __restrict xq, int64_t ldq,
@@ -1038,7 +1031,7 @@ FXC_BF16_TARGET __attribute__((noinline)) void dot_panel(const Problem& pb, cons
     }
   }
 #pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m) dot_store_row(pb, p, m0 + m, acc[m][0], acc[m][1]);
+  for (int m = 0; m < MR; ++m) store_row_vec(pb, p, m0 + m, acc[m][0], acc[m][1]);
 }
 
 constexpr int kDotMR = 12;  // rows per register block (24 accumulators)
@@ -1122,7 +1115,38 @@ constexpr int streams_for(int mr, bool grouped) {
 }
 constexpr int kMultiMaxM = 4;  // rows handled by the multi-stream kernel
 
-template <class W, int MR, int S, bool GROUPED>
+#if defined(FXC_AVX512)
+// fxc::linear_w8_silu_mul's epilogue: rows m0 .. m0+MR of gate panel pg (sums g) and of its up panel (sums u,
+// panel pg + H/32) -> silu(gate) * up into the [M, H] output.  Each half is finished exactly as store_row_vec
+// finishes a linear output (scale, bias, rounded to bf16 for bf16 out) and the product formed with
+// fxc::silu_mul's own step (silu_mul512 / silu_mul_bf16_512), so the result is the unfused graph's bit for bit.
+template <int MR>
+FXC_INLINE void silu_epilogue(const Problem& pb, int64_t pg, int64_t m0, reg (&g)[MR][NV], reg (&u)[MR][NV]) {
+  const int64_t H = pb.n / 2, cg = pg * NB, cu = cg + H;
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NV; ++j) {
+      __m512 a = g[m][j], b = u[m][j];
+      if (pb.col_scale) {
+        a = _mm512_mul_ps(a, _mm512_loadu_ps(pb.col_scale + cg + j * 16));
+        b = _mm512_mul_ps(b, _mm512_loadu_ps(pb.col_scale + cu + j * 16));
+      }
+      if (pb.bias) {
+        a = _mm512_add_ps(a, _mm512_loadu_ps(pb.bias + cg + j * 16));
+        b = _mm512_add_ps(b, _mm512_loadu_ps(pb.bias + cu + j * 16));
+      }
+      const int64_t o = (m0 + m) * H + cg + j * 16;
+      if (pb.out_f)
+        _mm512_storeu_ps(pb.out_f + o, fxc::silu_mul512(a, b));
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb.out_h + o),
+                            bf16_round(fxc::silu_mul_bf16_512(bf16_r(a), bf16_r(b))));
+    }
+}
+#endif
+
+// S panels ps[0..S) in lock step, rows m0 .. m0+MR.  SILU: the streams are (gate, up) pairs whose sums meet in
+// silu_epilogue instead of being stored.
+template <class W, int MR, int S, bool GROUPED, bool SILU = false>
 void panels_multi(const Problem& pb, const int64_t* ps, int64_t m0) {
   using T = typename W::T;
   constexpr int BPS = W::STEP * sizeof(T);
@@ -1180,11 +1204,23 @@ void panels_multi(const Problem& pb, const int64_t* ps, int64_t m0) {
         }
     }
   }
-  for (int s = 0; s < S; ++s) {
-    if constexpr (GROUPED)
-      epilogue<MR>(pb, ps[s], m0, fin[s]);
-    else
-      epilogue<MR>(pb, ps[s], m0, acc[s]);
+  if constexpr (SILU) {
+#if defined(FXC_AVX512)
+    static_assert(S % 2 == 0, "gate/up stream pairs");
+    for (int s = 0; s < S; s += 2) {
+      if constexpr (GROUPED)
+        silu_epilogue<MR>(pb, ps[s], m0, fin[s], fin[s + 1]);
+      else
+        silu_epilogue<MR>(pb, ps[s], m0, acc[s], acc[s + 1]);
+    }
+#endif
+  } else {
+    for (int s = 0; s < S; ++s) {
+      if constexpr (GROUPED)
+        epilogue<MR>(pb, ps[s], m0, fin[s]);
+      else
+        epilogue<MR>(pb, ps[s], m0, acc[s]);
+    }
   }
 }
 
@@ -1201,10 +1237,40 @@ FXC_INLINE void panel_single(const Problem& pb, int kind, bool grouped, int64_t 
     panel_direct<WI8, MR>(pb, p, m0);
 }
 
+// panels_multi over ss (1..4, at most S) sub-ranges of base consecutive panels from p0, walked in lock step.
+template <class W, int MR, int S, bool GROUPED>
+void lockstep_panels(const Problem& pb, int64_t p0, int64_t ss, int64_t base) {
+  for (int64_t i = 0; i < base; ++i) {
+    int64_t ps[4];
+    for (int64_t s = 0; s < ss; ++s) ps[s] = p0 + s * base + i;
+    if (ss == 1) panels_multi<W, MR, 1, GROUPED>(pb, ps, 0);
+    if constexpr (S >= 2) if (ss == 2) panels_multi<W, MR, 2, GROUPED>(pb, ps, 0);
+    if constexpr (S >= 3) if (ss == 3) panels_multi<W, MR, 3, GROUPED>(pb, ps, 0);
+    if constexpr (S >= 4) if (ss == 4) panels_multi<W, MR, 4, GROUPED>(pb, ps, 0);
+  }
+}
+
 template <class W, int MR, bool GROUPED>
 void run_multi_chunk(const Problem& pb, int kind, int64_t t0, int64_t t1) {
   constexpr int S = streams_for(MR, GROUPED);
   const int64_t cnt = t1 - t0;
+  if constexpr (MR == 1 && S >= 2) {
+    // One row: every panel through panels_multi (one accumulator chain per column vector, k in order), so a
+    // panel's sums do not depend on how panels are grouped into streams (fxc::linear_w8_silu_mul pairs gate and
+    // up panels).  ss streams, chosen so that no panel runs alone where that can be avoided (one panel's chains
+    // wait on FMA latency); the leftover panels as one more, narrower group.
+    int64_t ss = std::min<int64_t>(S, cnt);
+    for (int64_t c = ss; c >= 2; --c)
+      if (cnt % c != 1) {
+        ss = c;
+        break;
+      }
+    if (ss < 1) return;
+    const int64_t base = cnt / ss, rem = cnt % ss;
+    lockstep_panels<W, MR, S, GROUPED>(pb, t0, ss, base);
+    if (rem > 0) lockstep_panels<W, MR, S, GROUPED>(pb, t0 + base * ss, rem, 1);
+    return;
+  }
   if (S == 1 || cnt < S) {
     for (int64_t p = t0; p < t1; ++p) panel_single<MR>(pb, kind, GROUPED, p, 0);
     return;
@@ -1303,6 +1369,57 @@ void run(const Problem& pb, Kind kind) {
     }
   });
 }
+
+#if defined(FXC_AVX512)
+// Whether run_silu computes int8 rows M (the multi-stream kernel with at least one gate/up pair of streams).
+bool silu_fusable(const Problem& pb) {
+  if (pb.M < 1 || pb.M > kMultiMaxM) return false;
+  const bool grouped = pb.grp_scale != nullptr;
+  if (grouped && pb.M > Vec::MR_GROUP_DIRECT) return false;
+  bool ok = false;
+  dispatch_mr<kMultiMaxM>(static_cast<int>(pb.M), [&](auto c) {
+    ok = grouped ? streams_for(decltype(c)::value, true) >= 2 : streams_for(decltype(c)::value, false) >= 2;
+  });
+  return ok;
+}
+
+// int8 weights, n = 2H, H % 32 == 0, silu_fusable: each thread takes a range of gate panels j (up panel j + Q);
+// two halves of it walk as 4 lock-step streams (gate and up of each) where the register budget allows, else
+// one pair at a time.
+template <int MR, bool GROUPED>
+void run_silu_rows(const Problem& pb) {
+  constexpr int S = streams_for(MR, GROUPED);
+  const int64_t Q = pb.P / 2;
+  at::parallel_for(0, Q, 1, [&](int64_t b, int64_t e) {
+    int64_t half = 0;
+    if constexpr (S >= 4) {
+      half = (e - b) / 2;
+      for (int64_t i = 0; i < half; ++i) {
+        const int64_t j0 = b + i, j1 = b + half + i;
+        const int64_t ps[4] = {j0, j0 + Q, j1, j1 + Q};
+        panels_multi<WI8, MR, 4, GROUPED, true>(pb, ps, 0);
+      }
+    }
+    for (int64_t j = b + 2 * half; j < e; ++j) {
+      const int64_t ps[2] = {j, j + Q};
+      panels_multi<WI8, MR, 2, GROUPED, true>(pb, ps, 0);
+    }
+  });
+}
+
+void run_silu(const Problem& pb) {
+  const bool grouped = pb.grp_scale != nullptr;
+  dispatch_mr<kMultiMaxM>(static_cast<int>(pb.M), [&](auto c) {
+    constexpr int MR = decltype(c)::value;
+    if constexpr (streams_for(MR, true) >= 2 && MR <= Vec::MR_GROUP_DIRECT) {
+      if (grouped) return run_silu_rows<MR, true>(pb);
+    }
+    if constexpr (streams_for(MR, false) >= 2) {
+      if (!grouped) run_silu_rows<MR, false>(pb);
+    }
+  });
+}
+#endif
 
 // --------------------------------------------------------------------------
 // Operator front ends
@@ -1413,38 +1530,107 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return pr.out;
 }
 
-at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
-                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
-  TORCH_CHECK(w.device().is_cpu() && x.device().is_cpu(), "fxc::linear_w8: CPU tensors expected");
+// linear_w8's body.  residual ([..., n], x's dtype): added to each output as the graph's `residual + linear(x)`
+// would (store_row_vec / store_row).  silu: n = 2H and the caller has checked that run_silu takes these rows;
+// the output is then [..., H].
+at::Tensor w8_linear(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size, const at::Tensor* residual,
+                     bool silu) {
+  TORCH_CHECK(w.device().is_cpu() && x.device().is_cpu(), op, ": CPU tensors expected");
   const int64_t K = x.size(-1);
   TORCH_CHECK(w.scalar_type() == at::kChar && w.dim() == 3 && w.size(1) == K && w.size(2) == NB && w.is_contiguous(),
-              "fxc::linear_w8: packed weight must be contiguous int8 [P, K, 32] with K=", K, ", got ", w.sizes());
-  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(),
-              "fxc::linear_w8: scales must be contiguous float32");
+              op, ": packed weight must be contiguous int8 [P, K, 32] with K=", K, ", got ", w.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous(), op, ": scales must be contiguous float32");
   const int64_t P = w.size(0);
   Prepared pr;
   const bool per_channel = group_size <= 0 || group_size == K;
-  const bool amx = K > 0 && amx_eligible(x.numel() / K, per_channel ? 0 : group_size);
-  prepare_common(pr, x, K, n, P, bias, "fxc::linear_w8", amx);
+  const bool amx = !silu && K > 0 && amx_eligible(x.numel() / K, per_channel ? 0 : group_size);
+  prepare_common(pr, x, K, n, P, bias, op, amx);
   if (per_channel) {
-    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == P * NB,
-                "fxc::linear_w8: per-channel scales must be [P*32], got ", scales.sizes());
+    TORCH_CHECK(scales.dim() == 1 && scales.size(0) == P * NB, op, ": per-channel scales must be [P*32], got ",
+                scales.sizes());
     pr.pb.col_scale = scales.data_ptr<float>();
   } else {
-    TORCH_CHECK(K % group_size == 0, "fxc::linear_w8: group_size ", group_size, " must divide K=", K);
+    TORCH_CHECK(K % group_size == 0, op, ": group_size ", group_size, " must divide K=", K);
     TORCH_CHECK(scales.dim() == 3 && scales.size(0) == P && scales.size(1) == K / group_size && scales.size(2) == NB,
-                "fxc::linear_w8: per-group scales must be [P, K/group_size, 32], got ", scales.sizes());
+                op, ": per-group scales must be [P, K/group_size, 32], got ", scales.sizes());
     pr.pb.grp_scale = scales.data_ptr<float>();
     pr.pb.group = group_size;
     pr.pb.ngroups = K / group_size;
   }
+  at::Tensor rc;
+  if (residual != nullptr) {
+    TORCH_CHECK(residual->sizes() == pr.out.sizes() && residual->scalar_type() == x.scalar_type(), op,
+                ": residual must be ", x.scalar_type(), " ", pr.out.sizes(), " (the output's shape), got ",
+                residual->scalar_type(), " ", residual->sizes());
+    rc = residual->contiguous();
+    if (x.scalar_type() == at::kFloat)
+      pr.pb.res_f = rc.data_ptr<float>();
+    else
+      pr.pb.res_h = rc.data_ptr<c10::BFloat16>();
+  }
+  if (silu) {
+    std::vector<int64_t> osz(x.sizes().begin(), x.sizes().end());
+    osz.back() = n / 2;
+    pr.out = at::empty(osz, x.options());
+    pr.pb.out_f = x.scalar_type() == at::kFloat ? pr.out.data_ptr<float>() : nullptr;
+    pr.pb.out_h = x.scalar_type() == at::kFloat ? nullptr : pr.out.data_ptr<c10::BFloat16>();
+  }
   if (pr.pb.M == 0) return pr.out;
   pr.pb.w = w.data_ptr();
+#if defined(FXC_AVX512)
+  if (silu) {
+    run_silu(pr.pb);
+    return pr.out;
+  }
+#endif
   if (amx)
     run_amx(pr.pb, true);
   else
     run(pr.pb, Kind::I8);
   return pr.out;
+}
+
+at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  return w8_linear("fxc::linear_w8", x, w, scales, bias, n, group_size, nullptr, false);
+}
+
+// fxc::linear_w8_add: residual + linear_w8(x, ...) with the sum formed in the linear's epilogue (a layer's o_proj /
+// down_proj and its residual add as one op), bit for bit the two ops, on every path (FMA, AMX, scratch).
+at::Tensor linear_w8_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t n,
+                         int64_t group_size) {
+  return w8_linear("fxc::linear_w8_add", x, w, scales, bias, n, group_size, &residual, false);
+}
+
+// fxc::linear_w8_silu_mul: silu(y[..., :H]) * y[..., H:] of y = linear_w8(x, ...) with n = 2H (a fused gate/up
+// projection), H a multiple of 32 so that gate panel j and up panel j + H/32 cover the same columns.  Decode rows
+// (M <= 4) on AVX-512 builds: each pair of panels is computed together and the product formed in registers
+// (silu_epilogue), without the 2H-wide intermediate, the split and the second op.  Otherwise (more rows, AVX2
+// builds) exactly the graph it replaces: linear_w8, then fxc::silu_mul on the halves.  Both equal that graph bit
+// for bit.
+at::Tensor linear_w8_silu_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                              const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  TORCH_CHECK(n > 0 && n % (2 * NB) == 0, "fxc::linear_w8_silu_mul: n=", n,
+              " must be 2 * H with H a multiple of 32 (the gate and up halves on whole panels)");
+  const int64_t H = n / 2;
+  bool fused = false;
+#if defined(FXC_AVX512)
+  if (x.dim() >= 1 && x.size(-1) > 0) {
+    Problem probe;
+    probe.M = x.numel() / x.size(-1);
+    const int64_t K = x.size(-1);
+    if (!(group_size <= 0 || group_size == K)) probe.grp_scale = static_cast<const float*>(scales.data_ptr());
+    fused = silu_fusable(probe);
+  }
+#endif
+  if (fused) return w8_linear("fxc::linear_w8_silu_mul", x, w, scales, bias, n, group_size, nullptr, true);
+  static const auto silu_mul = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("fxc::silu_mul", "")
+                                   .typed<at::Tensor(at::Tensor, at::Tensor)>();
+  const at::Tensor y = linear_w8(x, w, scales, bias, n, group_size);
+  return silu_mul.call(y.narrow(-1, 0, H), y.narrow(-1, H, H));
 }
 
 // fxc::linear_by_m: the per-M-range choice of passes/lower_cpu_kernels, made per call from M = numel / K
@@ -1467,6 +1653,8 @@ at::Tensor linear_by_m(const at::Tensor& x, const at::Tensor& w_packed, const at
 TORCH_LIBRARY_IMPL(fxc, CPU, m) {
   m.impl("linear", &fxc::linear);
   m.impl("linear_w8", &fxc::linear_w8);
+  m.impl("linear_w8_add", &fxc::linear_w8_add);
+  m.impl("linear_w8_silu_mul", &fxc::linear_w8_silu_mul);
   m.impl("linear_by_m", &fxc::linear_by_m);
 }
 

@@ -1,0 +1,35 @@
+"""``fuse_linear_silu_mul`` / ``fuse_linear_add`` (passes/fusion.py) on W8 linears: the fused ops emitted on a tiny
+model, the same tokens as without the passes. (The W4A8 forms: ``tests/test_w4a8.py``; the ops themselves:
+``tests/backends/cpu/test_linear_w8_fusion.py``.)"""
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.mark.parametrize("scheme", ["W8A16", "W8A32"])
+def test_fuse_linear_passes_keep_the_w8_tokens(tiny_models, scheme):
+    """W8A16 (bf16 activations) and W8A32 (fp32 activations): the default pipeline fuses each layer's gate/up
+    linear_w8 with silu_mul and its o_proj / down_proj with the residual adds; with the passes disabled the graph
+    keeps the separate ops, and both engines generate the same tokens."""
+    from fxcompiler import LLM, LLMConfig, SamplingParams
+    from fxcompiler.quant_config import QuantizationConfig
+
+    config = QuantizationConfig.from_str(scheme)
+
+    def build(**kw):
+        return LLM(str(tiny_models["llama"]), max_seq_len_to_capture=64, cache_dir=None,
+                   llm_config=LLMConfig(quantization_config=config), **kw)
+
+    fused = build()
+    plain = build(compiler_config_overrides={"passes": {"disable": ["fuse_linear_silu_mul", "fuse_linear_add"]}})
+    try:
+        fired = {h["pass"]: h["fused"] for h in fused.pass_history if h["pass"].startswith("fuse_linear_")}
+        assert fired == {"fuse_linear_silu_mul": 2, "fuse_linear_add": 4}  # two layers: gate/up; o_proj, down_proj
+        assert not any(h["pass"].startswith("fuse_linear_") for h in plain.pass_history)
+        sp = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+        prompts = [[5, 17, 33, 2], [9, 8, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9]]
+        assert [o.outputs[0].token_ids for o in fused.generate(None, sp, prompt_token_ids=prompts)] == \
+            [o.outputs[0].token_ids for o in plain.generate(None, sp, prompt_token_ids=prompts)]
+    finally:
+        fused.shutdown()
+        plain.shutdown()
