@@ -95,10 +95,11 @@ class EdfPackage:
 # re-measured). CUDA has no fxc kernels: everything is ATen there.
 # fxc::linear_f8 (fp8 weights, upcast in the kernel) is kept on CPU like linear_w8: its reference would upcast
 # and scale the whole weight on every call.
-# fxc::linear_w8a8 and fxc::linear_w4a8 likewise (their references unpack the weight and run integer matmuls on every
-# call), and fxc::linear_f8f8 (one C++ kernel: the per-token e4m3 rows and linear_f8's matmul).
-EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_w4a8",
-                                                  "linear_f8f8", "linear_by_m", "paged_attention")}
+# fxc::linear_w4 (int4 weights dequantised in the kernel), fxc::linear_w8a8 and fxc::linear_w4a8 likewise (their
+# references unpack the weight and run integer matmuls on every call), and fxc::linear_f8f8 (one C++ kernel: the
+# per-token e4m3 rows and linear_f8's matmul).
+EXTERN_OPS: dict[str, tuple[str, ...]] = {"cpu": ("linear", "linear_w8", "linear_w4", "linear_f8", "linear_w8a8",
+                                                  "linear_w4a8", "linear_f8f8", "linear_by_m", "paged_attention")}
 
 # Inductor options the packages are compiled with (part of the package key).
 # ``cpp.threads=1``: Inductor's own loops (the elementwise/reduction code around the extern
@@ -150,6 +151,11 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
                                            else w4a8.linear_w4a8_silu_mul_aten),
         ops.linear_w4a8_add.default: (w4a8.linear_w4a8_add_reference if "linear_w4a8" in keep  # calls the op
                                       else w4a8.linear_w4a8_add_aten),
+        ops.linear_w4.default: qlin.linear_w4_reference,
+        ops.linear_w4_silu_mul.default: (_linear_w4_silu_mul_calling_the_op if "linear_w4" in keep
+                                         else qlin.linear_w4_silu_mul_aten),
+        ops.linear_w4_add.default: (qlin.linear_w4_add_reference if "linear_w4" in keep  # calls the op
+                                    else qlin.linear_w4_add_aten),
         ops.linear_w8_silu_mul.default: (_linear_w8_silu_mul_calling_the_op if "linear_w8" in keep
                                          else lin.linear_w8_silu_mul_aten),
         ops.linear_w8_add.default: (lin.linear_w8_add_reference if "linear_w8" in keep  # calls the op
@@ -167,6 +173,14 @@ def _linear_w4a8_silu_mul_calling_the_op(x, w, scales, mins, bias, n, group_size
     from .ops.fused import silu_mul_reference
 
     gate, up = torch.ops.fxc.linear_w4a8.default(x, w, scales, mins, bias, n, group_size).split(n // 2, dim=-1)
+    return silu_mul_reference(gate, up)
+
+
+def _linear_w4_silu_mul_calling_the_op(x, w, scales, mins, bias, n, group_size):
+    """``fxc::linear_w4_silu_mul`` as a kept ``fxc::linear_w4`` and ``fxc::silu_mul``'s reference."""
+    from .ops.fused import silu_mul_reference
+
+    gate, up = torch.ops.fxc.linear_w4.default(x, w, scales, mins, bias, n, group_size).split(n // 2, dim=-1)
     return silu_mul_reference(gate, up)
 
 

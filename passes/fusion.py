@@ -38,6 +38,7 @@ from torch.fx import GraphModule, Node
 
 import fxcompiler.ops.fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul / fxc::rope)
 from fxcompiler.ops.linear import NB  # (and defines fxc::linear_w8_silu_mul / fxc::linear_w8_add)
+import fxcompiler.ops.quant_linear  # noqa: F401  (defines fxc::linear_w4_silu_mul / fxc::linear_w4_add)
 from fxcompiler.ops.w4a8_linear import NB4  # (and defines fxc::linear_w4a8_silu_mul / fxc::linear_w4a8_add)
 from fxcompiler.pass_manager import CompileContext, PassRequirements, PassResult, register_pass
 from fxcompiler.pattern_matcher import PatternMatcherPass, Scalar
@@ -271,6 +272,8 @@ def _epilogue_fusions() -> dict:
                                                  n_arg=5, panel=NB4, bf16_silu=False),
         ops.linear_w8.default: _EpilogueFusion(ops.linear_w8_silu_mul.default, ops.linear_w8_add.default,
                                                n_arg=4, panel=NB, bf16_silu=True),
+        ops.linear_w4.default: _EpilogueFusion(ops.linear_w4_silu_mul.default, ops.linear_w4_add.default,
+                                               n_arg=5, panel=NB, bf16_silu=True),
     }
 
 

@@ -98,8 +98,8 @@ def test_edf_packages_call_the_fxc_kernels(built):
     from fxcompiler.edf import EXTERN_OPS, extern_kernel_calls
 
     llm, edf_pipes, _, _ = built
-    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_w4a8", "linear_f8f8",
-                                      "linear_by_m", "paged_attention"}
+    assert set(EXTERN_OPS["cpu"]) == {"linear", "linear_w8", "linear_w4", "linear_f8", "linear_w8a8", "linear_w4a8",
+                                      "linear_f8f8", "linear_by_m", "paged_attention"}
     p, e = next((p, e) for p, e in zip(llm.pipelines, edf_pipes) if not p.bucket.is_prefill)
     keys = [k for k, t in p.supertasks.items() if t.data_blob is not None]
     block_calls = None
@@ -145,8 +145,8 @@ def test_edf_extern_ops_policy_and_package_key():
     from fxcompiler import edf
     from fxcompiler.ops.linear import pack_linear_weight
 
-    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_f8", "linear_w8a8", "linear_w4a8", "linear_f8f8",
-                                     "linear_by_m", "paged_attention")
+    assert edf.extern_ops("cpu") == ("linear", "linear_w8", "linear_w4", "linear_f8", "linear_w8a8", "linear_w4a8",
+                                     "linear_f8f8", "linear_by_m", "paged_attention")
     assert edf.extern_ops("cuda") == ()
 
     class M(torch.nn.Module):
@@ -267,29 +267,37 @@ def test_edf_extern_ops_policy_and_package_key():
     assert torch.equal(aten_only(*args)[0], gm(*args)[0])
 
 
-def test_w8_epilogue_fusions_keep_their_linear_as_the_extern_call():
-    """``fxc::linear_w8_silu_mul`` and ``fxc::linear_w8_add`` (passes/fusion.py): the kept ``fxc::linear_w8`` call and
-    ATen for the product or the sum; all ATen off the CPU."""
+def test_w8_and_w4_linears_and_their_epilogue_fusions_keep_the_linear_as_the_extern_call():
+    """``fxc::linear_w4`` and the epilogue fusions of W8 and W4 linears (``fxc::linear_w8_silu_mul`` /
+    ``_add``, ``fxc::linear_w4_silu_mul`` / ``_add``, passes/fusion.py): the kept linear call and ATen for the
+    product or the sum; all ATen off the CPU."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from fxcompiler import edf
     from fxcompiler.ops.linear import quantize_linear_weight_int8
+    from fxcompiler.ops.quant_linear import quantize_linear_weight_int4
 
-    class SiluMul(torch.nn.Module):
-        def forward(self, x, q, s):
-            return (torch.ops.fxc.linear_w8_silu_mul.default(x, q, s, None, 64, -1),)
+    ops = torch.ops.fxc
+    w8 = quantize_linear_weight_int8(torch.randn(64, 16))
+    w4 = quantize_linear_weight_int4(torch.randn(64, 16), 8)
+    x, r = torch.randn(3, 16), torch.randn(3, 64)
+    cases = [
+        ("linear_w8", lambda x, q, s: ops.linear_w8_silu_mul.default(x, q, s, None, 64, -1), (x, *w8)),
+        ("linear_w8", lambda x, q, s, r: ops.linear_w8_add.default(x, q, s, None, r, 64, -1), (x, *w8, r)),
+        ("linear_w4", lambda x, q, s, m: ops.linear_w4.default(x, q, s, m, None, 64, 8), (x, *w4)),
+        ("linear_w4", lambda x, q, s, m: ops.linear_w4_silu_mul.default(x, q, s, m, None, 64, 8), (x, *w4)),
+        ("linear_w4", lambda x, q, s, m, r: ops.linear_w4_add.default(x, q, s, m, None, r, 64, 8), (x, *w4, r)),
+    ]
+    for linear, fn, args in cases:
+        class M(torch.nn.Module):
+            def forward(self, *a):
+                return (fn(*a),)
 
-    class Add(torch.nn.Module):
-        def forward(self, x, q, s, r):
-            return (torch.ops.fxc.linear_w8_add.default(x, q, s, None, r, 64, -1),)
-
-    q, s = quantize_linear_weight_int8(torch.randn(64, 16))
-    for module, args in ((SiluMul(), (torch.randn(3, 16), q, s)), (Add(), (torch.randn(3, 16), q, s, torch.randn(3, 64)))):
-        gm = torch.fx.symbolic_trace(module)
+        gm = make_fx(M())(*args)
         for n, v in zip((n for n in gm.graph.nodes if n.op == "placeholder"), args):
             n.meta["val"] = v
         kept = edf.aten_graph_module(gm, edf.extern_ops("cpu"))
-        assert _fxc_calls(make_fx(kept)(*args)) == ["linear_w8"]  # what export traces the package from
+        assert _fxc_calls(make_fx(kept)(*args)) == [linear]  # what export traces the package from
         aten_only = edf.aten_graph_module(gm)
         assert _fxc_calls(make_fx(aten_only)(*args)) == []
         assert torch.allclose(kept(*args)[0], gm(*args)[0], rtol=1e-5, atol=1e-5)

@@ -220,10 +220,10 @@ def _linear_w8_add_fake(x, w_int8_packed, scales, bias, residual, n, group_size)
     return y
 
 
-def check_silu_mul_width(n: int) -> None:
-    """``fxc::linear_w8_silu_mul``'s ``n``: ``2 H`` with ``H`` a multiple of ``NB`` (the halves on whole panels)."""
+def check_silu_mul_width(n: int, op: str = "fxc::linear_w8_silu_mul") -> None:
+    """A fused gate/up op's ``n``: ``2 H`` with ``H`` a multiple of ``NB`` (the halves on whole panels)."""
     if n <= 0 or n % (2 * NB):
-        raise ValueError(f"fxc::linear_w8_silu_mul needs n = 2 * H with H a multiple of {NB}, got n={n}")
+        raise ValueError(f"{op} needs n = 2 * H with H a multiple of {NB}, got n={n}")
 
 
 @torch.library.register_fake("fxc::linear_w8_silu_mul", lib=_lib)

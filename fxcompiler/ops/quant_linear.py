@@ -24,6 +24,13 @@ GGUF mapping: Q4_1 (``d·q + m``): scale = d, min = m. Q4_0 (``d·(q − 8)``): 
 torch's ``_weight_int4pack_mm_for_cpu`` uses ``(q − 8)·s + z``: for Q4_1 that needs ``z = m + 8d``, whose
 fp32 rounding is not exact, which is why this op carries the min directly.
 
+``fxc::linear_w4_add(Tensor x, ..., Tensor? bias, Tensor residual, int n, int group_size)``
+    ``residual + fxc::linear_w4(...)`` as one op (the sum formed in the output loop), bit for bit the two ops.
+``fxc::linear_w4_silu_mul(Tensor x, ..., Tensor? bias, int n, int group_size)``
+    ``fxc::silu_mul`` of the halves of ``fxc::linear_w4(...)`` with ``n = 2H``, ``H`` a multiple of 32 (a fused
+    gate/up projection and its product; decode rows never write the ``2H``-wide intermediate), bit for bit the
+    graph it replaces. Both are emitted by ``passes/fusion.py`` after ``quantize``.
+
 ``fxc::linear_f8(Tensor x, Tensor w_f8_packed, Tensor scales, Tensor? bias, int n) -> Tensor``
     x ``[..., K]`` fp32 or bf16; returns ``[..., n]`` in x's dtype, fp32 accumulation.
     ``w_f8_packed``: ``float8_e4m3fn [P, K, 32]`` (``fxc::linear_w8``'s layout, one byte per weight),
@@ -37,14 +44,20 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .linear import NB, _composite, _pad_rows, _panels
+from .linear import NB, _composite, _pad_rows, _panels, check_silu_mul_width
+from .fused import silu_mul_reference  # (and defines fxc::silu_mul, which linear_w4_silu_mul's reference calls)
 
 __all__ = ["FP8", "dequantize_linear_weight_fp8", "dequantize_linear_weight_int4", "fp16_if_exact", "linear_f8", "linear_f8_reference",
-           "linear_w4", "linear_w4_reference", "pack_fp8", "pack_int4", "quantize_fp8_codes", "quantize_linear_weight_fp8",
+           "linear_w4", "linear_w4_add", "linear_w4_add_aten", "linear_w4_add_reference", "linear_w4_reference",
+           "linear_w4_silu_mul", "linear_w4_silu_mul_aten", "linear_w4_silu_mul_reference", "pack_fp8", "pack_int4", "quantize_fp8_codes", "quantize_linear_weight_fp8",
            "quantize_linear_weight_int4", "set_quant_kernel_loader", "unpack_fp8", "unpack_int4"]
 
 _lib = torch.library.Library("fxc", "FRAGMENT")
 _lib.define("linear_w4(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, int n, "
+            "int group_size) -> Tensor")
+_lib.define("linear_w4_add(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, Tensor residual, "
+            "int n, int group_size) -> Tensor")
+_lib.define("linear_w4_silu_mul(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, int n, "
             "int group_size) -> Tensor")
 
 
@@ -191,6 +204,47 @@ def linear_w4_reference(x, w_int4_packed, scales, mins, bias, n, group_size):
     return F.linear(x.float(), w, b).to(x.dtype)
 
 
+@torch.library.register_fake("fxc::linear_w4_add", lib=_lib)
+def _linear_w4_add_fake(x, w_int4_packed, scales, mins, bias, residual, n, group_size):
+    y = _linear_w4_fake(x, w_int4_packed, scales, mins, bias, n, group_size)
+    torch._check(tuple(residual.shape) == tuple(y.shape) and residual.dtype == y.dtype,
+                 lambda: f"fxc::linear_w4_add: residual must be {y.dtype} {tuple(y.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    return y
+
+
+@torch.library.register_fake("fxc::linear_w4_silu_mul", lib=_lib)
+def _linear_w4_silu_mul_fake(x, w_int4_packed, scales, mins, bias, n, group_size):
+    torch._check(n > 0 and n % (2 * NB) == 0,
+                 lambda: f"fxc::linear_w4_silu_mul: n={n} must be 2 * H with H a multiple of {NB}")
+    y = _linear_w4_fake(x, w_int4_packed, scales, mins, bias, n, group_size)
+    return y.new_empty(tuple(y.shape[:-1]) + (n // 2,))
+
+
+def linear_w4_add_reference(x, w_int4_packed, scales, mins, bias, residual, n, group_size):
+    """``residual + fxc::linear_w4(x, ...)``: the graph ``fxc::linear_w4_add`` replaces."""
+    return residual + torch.ops.fxc.linear_w4.default(x, w_int4_packed, scales, mins, bias, n, group_size)
+
+
+def linear_w4_add_aten(x, w_int4_packed, scales, mins, bias, residual, n, group_size):
+    """``fxc::linear_w4_add`` in ATen ops only (edf)."""
+    return residual + linear_w4_reference(x, w_int4_packed, scales, mins, bias, n, group_size)
+
+
+def linear_w4_silu_mul_reference(x, w_int4_packed, scales, mins, bias, n, group_size):
+    """``fxc::silu_mul`` of the halves of ``fxc::linear_w4(x, ...)``: the graph ``fxc::linear_w4_silu_mul`` replaces."""
+    check_silu_mul_width(n, "fxc::linear_w4_silu_mul")
+    y = torch.ops.fxc.linear_w4.default(x, w_int4_packed, scales, mins, bias, n, group_size)
+    return torch.ops.fxc.silu_mul.default(y[..., : n // 2], y[..., n // 2:])
+
+
+def linear_w4_silu_mul_aten(x, w_int4_packed, scales, mins, bias, n, group_size):
+    """``fxc::linear_w4_silu_mul`` in ATen ops only (edf)."""
+    check_silu_mul_width(n, "fxc::linear_w4_silu_mul")
+    y = linear_w4_reference(x, w_int4_packed, scales, mins, bias, n, group_size)
+    return silu_mul_reference(y[..., : n // 2], y[..., n // 2:])
+
+
 _loader: Callable[[], bool] | None = None
 
 
@@ -207,6 +261,12 @@ def _composite_of(op, reference):
 
 _lib.impl("linear_w4", _composite_of(torch.ops.fxc.linear_w4.default, linear_w4_reference), "CompositeExplicitAutograd")
 linear_w4 = torch.ops.fxc.linear_w4.default
+_lib.impl("linear_w4_add", _composite_of(torch.ops.fxc.linear_w4_add.default, linear_w4_add_reference),
+          "CompositeExplicitAutograd")
+_lib.impl("linear_w4_silu_mul", _composite_of(torch.ops.fxc.linear_w4_silu_mul.default, linear_w4_silu_mul_reference),
+          "CompositeExplicitAutograd")
+linear_w4_add = torch.ops.fxc.linear_w4_add.default
+linear_w4_silu_mul = torch.ops.fxc.linear_w4_silu_mul.default
 
 
 # ---------------------------------------------------------------------------

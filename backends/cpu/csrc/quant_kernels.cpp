@@ -33,6 +33,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -41,6 +42,10 @@
 #include <immintrin.h>
 
 #include "kv_fp8.h"  // fxc::e4m3_encode: c10's e4m3 encoder after the +-448 clamp (linear_f8f8's rows)
+#ifdef __AVX512F__
+#include "bf16_simd.h"  // bf16 rounding and the bf16 silu step, shared with csrc/fused_ops.cpp
+#include "simd_math.h"  // fxc::silu_mul512, fxc::silu_mul's fp32 step
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -321,42 +326,59 @@ void direct_rows(int rows, int64_t p0, int64_t p1, const float* x, int64_t ldx, 
   }
 }
 
-at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
-                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "fxc::linear_w4: CPU tensors expected");
+// Rows per call that linear_w4_silu_mul computes with gate and up panels paired as lock-step streams (at least
+// two streams fit the register budget); more rows run linear_w4, then fxc::silu_mul.
+constexpr bool w4_silu_pairs(int64_t rows) { return rows >= 1 && rows <= 4 && w4_streams(static_cast<int>(rows)) >= 2; }
+
+// linear_w4's body. residual ([..., n], x's dtype): added to each output as the graph's `residual + linear(x)` would
+// (fp32: fl(y + r); bf16: y rounded to bf16 first, the sum in fp32, rounded again). silu (AVX-512 builds, n = 2H
+// with H % 32 == 0, w4_silu_pairs(M): the caller checks): the output is silu(y[..., :H]) * y[..., H:], formed per
+// pair of gate panel j and up panel j + H/32 computed together.
+at::Tensor w4_linear(const char* op, const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                     const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size,
+                     const at::Tensor* residual, bool silu) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors expected");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "fxc::linear_w4: x must be float32 or bfloat16, got ", x.scalar_type());
+              op, ": x must be float32 or bfloat16, got ", x.scalar_type());
   const int64_t K = x.size(-1);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 3 && w.size(1) * 2 == K && w.size(2) == NB &&
                   w.is_contiguous(),
-              "fxc::linear_w4: packed weight must be contiguous uint8 [P, K/2, 32] with K=", K, ", got ", w.sizes());
-  TORCH_CHECK(group_size > 0 && group_size % 2 == 0, "fxc::linear_w4: group_size must be positive and even, got ",
+              op, ": packed weight must be contiguous uint8 [P, K/2, 32] with K=", K, ", got ", w.sizes());
+  TORCH_CHECK(group_size > 0 && group_size % 2 == 0, op, ": group_size must be positive and even, got ",
               group_size);
   const int64_t P = w.size(0);
   const int64_t G = (K + group_size - 1) / group_size;
-  TORCH_CHECK(n >= 0 && n <= P * NB, "fxc::linear_w4: n=", n, " larger than the packed panels");
+  TORCH_CHECK(n >= 0 && n <= P * NB, op, ": n=", n, " larger than the packed panels");
   TORCH_CHECK(scales.scalar_type() == mins.scalar_type() &&
                   (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf),
-              "fxc::linear_w4: scales and mins must both be float32 or both float16, got ", scales.scalar_type(),
+              op, ": scales and mins must both be float32 or both float16, got ", scales.scalar_type(),
               " and ", mins.scalar_type());
   for (const at::Tensor* t : {&scales, &mins}) {
     TORCH_CHECK(t->is_contiguous() && t->dim() == 3 && t->size(0) == P && t->size(1) == G && t->size(2) == NB,
-                "fxc::linear_w4: scales/mins must be contiguous [P, G, 32] = [", P, ", ", G, ", 32], got ",
-                t->sizes());
+                op, ": scales/mins must be contiguous [P, G, 32] = [", P, ", ", G, ", 32], got ", t->sizes());
   }
   const bool half_sm = scales.scalar_type() == at::kHalf;
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
-  out_shape.back() = n;
+  out_shape.back() = silu ? n / 2 : n;
   at::Tensor out = at::empty(out_shape, x.options());
+  at::Tensor rc;
+  if (residual != nullptr) {
+    TORCH_CHECK(residual->sizes() == out.sizes() && residual->scalar_type() == x.scalar_type(), op,
+                ": residual must be ", x.scalar_type(), " ", out.sizes(), " (the output's shape), got ",
+                residual->scalar_type(), " ", residual->sizes());
+    rc = residual->contiguous();
+  }
   const int64_t M = K ? x.numel() / K : 0;
   if (M == 0 || n == 0) return out;
   at::Tensor xf = x.reshape({M, K}).to(at::kFloat).contiguous();
   std::vector<float> bf;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, "fxc::linear_w4: bias must be [n]");
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == n, op, ": bias must be [n]");
     at::Tensor b = bias->to(at::kFloat).contiguous();
     bf.assign(b.data_ptr<float>(), b.data_ptr<float>() + n);
   }
+  const float* rf = rc.defined() && x.scalar_type() == at::kFloat ? rc.data_ptr<float>() : nullptr;
+  const c10::BFloat16* rb = rc.defined() && x.scalar_type() == at::kBFloat16 ? rc.data_ptr<c10::BFloat16>() : nullptr;
   const float* xp = xf.data_ptr<float>();
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const float* sp = half_sm ? nullptr : scales.data_ptr<float>();
@@ -374,19 +396,93 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
       for (int64_t k = g * group_size; k < std::min(K, (g + 1) * group_size); ++k) t += xp[r * K + k];
       xs[r * G + g] = t;
     }
-  // one panel's rows [r0, r0 + rows) of results (acc: rows x 32) plus the bias, in x's dtype
+  // one panel's rows [r0, r0 + rows) of results (acc: rows x 32) plus the bias (and the residual), in x's dtype
   auto emit = [&](int64_t p, int64_t r0, int rows, const float* acc) {
     const int64_t cols = std::min<int64_t>(NB, n - p * NB);
     for (int r = 0; r < rows; ++r) {
       const int64_t base = (r0 + r) * n + p * NB;
       for (int64_t j = 0; j < cols; ++j) {
         float v = acc[r * NB + j] + (bf.empty() ? 0.f : bf[p * NB + j]);
-        if (out_bf16) ob[base + j] = c10::BFloat16(v);
-        else of[base + j] = v;
+        if (out_bf16) {
+          if (rb != nullptr) v = static_cast<float>(c10::BFloat16(v)) + static_cast<float>(rb[base + j]);
+          ob[base + j] = c10::BFloat16(v);
+        } else {
+          of[base + j] = rf != nullptr ? v + rf[base + j] : v;
+        }
       }
     }
   };
   const int64_t Pn = (n + NB - 1) / NB;  // the panels that hold output columns
+#ifdef __AVX512F__
+  if (silu) {
+    const int64_t H = n / 2, Q = H / NB;  // Q gate panels; the up panel of gate panel j is j + Q
+    // gate panel j's rows from acc_g and its up panel's from acc_u: each half finished as emit finishes a linear
+    // output (bias, rounded to bf16 for bf16 x), then fxc::silu_mul's own step
+    auto emit_pair = [&](int64_t j, int rows, const float* acc_g, const float* acc_u) {
+      for (int r = 0; r < rows; ++r)
+        for (int h = 0; h < NB; h += 16) {
+          const int64_t cg = j * NB + h;
+          __m512 a = _mm512_loadu_ps(acc_g + r * NB + h), b = _mm512_loadu_ps(acc_u + r * NB + h);
+          a = _mm512_add_ps(a, bf.empty() ? _mm512_setzero_ps() : _mm512_loadu_ps(bf.data() + cg));
+          b = _mm512_add_ps(b, bf.empty() ? _mm512_setzero_ps() : _mm512_loadu_ps(bf.data() + H + cg));
+          const int64_t o = r * H + cg;
+          if (out_bf16)
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(ob + o),
+                                fxc::bf16_round(fxc::silu_mul_bf16_512(fxc::bf16_r(a), fxc::bf16_r(b))));
+          else
+            _mm512_storeu_ps(of + o, fxc::silu_mul512(a, b));
+        }
+    };
+    const int rows = static_cast<int>(M);
+    auto pairs = [&](auto rows_c, auto sc_tag) {
+      constexpr int R = decltype(rows_c)::value;
+      using Sc = typename decltype(sc_tag)::type;
+      const Sc* spp = half_sm ? reinterpret_cast<const Sc*>(sph) : reinterpret_cast<const Sc*>(sp);
+      const Sc* mpp = half_sm ? reinterpret_cast<const Sc*>(mph) : reinterpret_cast<const Sc*>(mp);
+      at::parallel_for(0, Q, 1, [&](int64_t b, int64_t e) {
+        alignas(64) float acc[4][R * NB];
+        auto group = [&](auto ss_c, const int64_t* ps) {
+          constexpr int SS = decltype(ss_c)::value;
+          const uint8_t* ws[SS];
+          const Sc* ss[SS];
+          const Sc* ms[SS];
+          float* as[SS];
+          for (int s = 0; s < SS; ++s) {
+            ws[s] = wp + ps[s] * (K / 2) * NB;
+            ss[s] = spp + ps[s] * G * NB;
+            ms[s] = mpp + ps[s] * G * NB;
+            as[s] = acc[s];
+          }
+          direct_w4<R, SS>(xp, K, xs.data(), G, ws, ss, ms, K, group_size, as);
+          for (int s = 0; s < SS; s += 2) emit_pair(ps[s], R, acc[s], acc[s + 1]);
+        };
+        int64_t half = 0;
+        if constexpr (w4_streams(R) >= 4) {  // two halves of the range, each half's gate and up panels a stream
+          half = (e - b) / 2;
+          for (int64_t i = 0; i < half; ++i) {
+            const int64_t j0 = b + i, j1 = b + half + i;
+            const int64_t ps[4] = {j0, j0 + Q, j1, j1 + Q};
+            group(std::integral_constant<int, 4>{}, ps);
+          }
+        }
+        for (int64_t j = b + 2 * half; j < e; ++j) {
+          const int64_t ps[2] = {j, j + Q};
+          group(std::integral_constant<int, 2>{}, ps);
+        }
+      });
+    };
+    struct F { using type = float; };
+    struct U16 { using type = uint16_t; };
+    if (rows == 1) {
+      if (half_sm) pairs(std::integral_constant<int, 1>{}, U16{}); else pairs(std::integral_constant<int, 1>{}, F{});
+    } else {
+      if constexpr (w4_silu_pairs(2)) {
+        if (half_sm) pairs(std::integral_constant<int, 2>{}, U16{}); else pairs(std::integral_constant<int, 2>{}, F{});
+      }
+    }
+    return out;
+  }
+#endif
   if (direct) {  // a thread's panels are adjacent; it walks them as several streams
     const int rows = static_cast<int>(M);
     auto emit_all = [&](int64_t p, const float* acc) { emit(p, 0, rows, acc); };
@@ -431,6 +527,43 @@ at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor&
   return out;
 }
 
+
+at::Tensor linear_w4(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                     const std::optional<at::Tensor>& bias, int64_t n, int64_t group_size) {
+  return w4_linear("fxc::linear_w4", x, w, scales, mins, bias, n, group_size, nullptr, false);
+}
+
+// fxc::linear_w4_add: residual + linear_w4(x, ...) with the sum formed in the output loop (a layer's o_proj /
+// down_proj and its residual add as one op), bit for bit the two ops.
+at::Tensor linear_w4_add(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales, const at::Tensor& mins,
+                         const std::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t n,
+                         int64_t group_size) {
+  return w4_linear("fxc::linear_w4_add", x, w, scales, mins, bias, n, group_size, &residual, false);
+}
+
+// fxc::linear_w4_silu_mul: silu(y[..., :H]) * y[..., H:] of y = linear_w4(x, ...) with n = 2H (a fused gate/up
+// projection), H a multiple of 32. Decode rows (M <= 2) on AVX-512 builds: gate panel j and up panel j + H/32 are
+// streamed together (a panel's sums do not depend on its stream partners) and the product formed in registers with
+// fxc::silu_mul's own step (fp32: silu_mul512; bf16: ATen's, bf16_simd.h), without the 2H-wide intermediate.
+// Otherwise exactly the graph it replaces: linear_w4, then fxc::silu_mul on the halves. Both equal that graph bit
+// for bit.
+at::Tensor linear_w4_silu_mul(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
+                              const at::Tensor& mins, const std::optional<at::Tensor>& bias, int64_t n,
+                              int64_t group_size) {
+  TORCH_CHECK(n > 0 && n % (2 * NB) == 0, "fxc::linear_w4_silu_mul: n=", n,
+              " must be 2 * H with H a multiple of 32 (the gate and up halves on whole panels)");
+#ifdef __AVX512F__
+  const bool fused = x.dim() >= 1 && x.size(-1) > 0 && w4_silu_pairs(x.numel() / x.size(-1));
+#else
+  const bool fused = false;
+#endif
+  if (fused) return w4_linear("fxc::linear_w4_silu_mul", x, w, scales, mins, bias, n, group_size, nullptr, true);
+  static const auto silu_mul = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("fxc::silu_mul", "")
+                                   .typed<at::Tensor(at::Tensor, at::Tensor)>();
+  const at::Tensor y = linear_w4(x, w, scales, mins, bias, n, group_size);
+  return silu_mul.call(y.narrow(-1, 0, n / 2), y.narrow(-1, n / 2, n / 2));
+}
 
 // ---------------------------------------------------------------------------------------------------
 // fxc::linear_f8
@@ -793,6 +926,8 @@ extern "C" const char* fxc_quant_kernels_isa() {
 
 TORCH_LIBRARY_IMPL(fxc, CPU, m) {
   m.impl("linear_w4", &fxcq::linear_w4);
+  m.impl("linear_w4_add", &fxcq::linear_w4_add);
+  m.impl("linear_w4_silu_mul", &fxcq::linear_w4_silu_mul);
   m.impl("linear_f8", &fxcq::linear_f8);
   m.impl("linear_f8f8", &fxcq::linear_f8f8);
   m.impl("embedding_w8", &fxcq::embedding_w8);

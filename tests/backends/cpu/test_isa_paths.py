@@ -1,5 +1,5 @@
 """Every kernel path this CPU can run, tested on this CPU: the linear kernels' property tests
-(``test_kernels.py``, ``test_linear_bf16dot.py``, ``test_linear_w8_fusion.py``) are run again in a subprocess per lower path, forced
+(``test_kernels.py``, ``test_linear_bf16dot.py``, ``test_epilogue_kernels.py``) are run again in a subprocess per lower path, forced
 with the ISA overrides:
 
 * ``avx512+amx``      no override (AMX machines)
@@ -91,7 +91,7 @@ def test_kernel_properties_on_path(path):
     env["FXCOMPILER_EXPECT_ISA"] = path
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     files = ["tests/backends/cpu/test_kernels.py", "tests/backends/cpu/test_linear_bf16dot.py",
-             "tests/backends/cpu/test_linear_w8_fusion.py"]
+             "tests/backends/cpu/test_epilogue_kernels.py"]
     select = "not failed_build and not avx2_build and not without_amx"
     runs = [(files, select)]
     if path == "avx2":  # the attention kernels have an AVX-512 and an AVX2 build only: their flash-kernel tests
