@@ -306,6 +306,19 @@ def isa_suffix(st: dict | None = None) -> str:
     return "+amx" if st.get("amx") else ("+bf16dot" if st.get("bf16dot") else "")
 
 
+def evict(t: torch.Tensor) -> bool:
+    """Flush ``t``'s bytes from every cache level (clflush), so that the next read of it comes from DRAM (the
+    autotuner's cold calls). False, doing nothing, without the kernel library."""
+    if not ensure_loaded():
+        return False
+    lib = _state["lib"]
+    if getattr(lib.fxc_evict, "argtypes", None) is None:
+        lib.fxc_evict.argtypes = [ctypes.c_void_p, ctypes.c_long]
+        lib.fxc_evict.restype = None
+    lib.fxc_evict(ctypes.c_void_p(t.data_ptr()), ctypes.c_long(t.numel() * t.element_size()))
+    return True
+
+
 def set_bf16dot(on: bool) -> bool:
     """Switch the VDPBF16PS path on/off in this process (benchmarks, tests); returns whether it is now in use.
     Off or unavailable: bf16 weights with bf16 activations take the FMA path (AMX, where in use, is unaffected)."""

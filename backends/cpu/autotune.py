@@ -8,8 +8,14 @@ would replace, for this weight shape, dtype and machine?
 Measurement: a random ``[N, K]`` weight of the given dtype, activations of the same dtype,
 ``M`` rows for each M asked; candidates ``fxc::linear`` on the packed weight and the baseline
 (``matmul``: ``x @ W[K, N]`` contiguous, what ``weight_layout`` emits; ``linear``: ``F.linear``).
-Each candidate cycles through copies of its weight (``pool_bytes`` in all, default 64 MiB) so
-that small weights are not timed from L2 alone; calls of the two candidates alternate and the
+Before each timed call the candidate's weight is flushed from every cache level (``_build.evict``:
+clflush, not timed), so each call reads its weight from DRAM as a step does in situ: a step reads all of a
+model's weights once, more bytes than the last-level cache keeps for SmolLM2 in fp32 (538 MB). Timed from
+the cache instead (the copies below, all of them in a 480 MiB L3), MKL won at M = 16 for q/k/v and o_proj
+(1.2–1.6×) and took the M = 5–32 range, while in the engine the kernel was faster there: a 32-token fp32
+prefill 41.5 → 37–39 ms with every matmul lowered (Intel family 6 model 167, 2026-12-05). Without the kernel
+library (no flush) each candidate cycles through copies of its weight (``pool_bytes`` in all, default 64 MiB)
+so that small weights are not timed from L2 alone. Calls of the two candidates alternate and the
 25th percentile of each counts (on a shared host a call can lose a scheduler slice). A candidate
 more than ``CLEAR_LOSS_RATIO`` times slower on a cold and a warm call (or by seconds on the cold
 one) is decided without rounds, and once ATen lost by that much at some M, a larger M (which
@@ -85,7 +91,8 @@ class LinearAutotuner:
             raise ValueError(f"baseline must be 'matmul' or 'linear', got {baseline!r}")
         ms = tuple(int(m) for m in ms)
         _build.ensure_loaded()  # the cache file is named after the loaded kernel build
-        key = f"K{k}_N{n}_{_DTYPES[weight_dtype]}_{baseline}_M{'-'.join(map(str, ms))}_t{torch.get_num_threads()}"
+        key = (f"K{k}_N{n}_{_DTYPES[weight_dtype]}_{baseline}_M{'-'.join(map(str, ms))}_t{torch.get_num_threads()}"
+               "_cold")  # cold: weights flushed before each timed call (older entries timed them from the cache)
         with self._lock:
             entries = self._load()
             hit = entries.get(key)
@@ -141,9 +148,11 @@ class LinearAutotuner:
     def _measure(self, k: int, n: int, dtype: torch.dtype, baseline: str, ms: tuple[int, ...]):
         gen = torch.Generator().manual_seed(k * 131071 + n)
         w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
-        copies = max(1, min(16, self.pool_bytes // max(1, w.numel() * w.element_size())))
+        cold = _build.evict(w[:1])  # the library flushes: one copy each, flushed before every timed call
+        copies = 1 if cold else max(1, min(16, self.pool_bytes // max(1, w.numel() * w.element_size())))
         packed = [pack_linear_weight(w) for _ in range(copies)]
         dense = [w.t().contiguous() if baseline == "matmul" else w.clone() for _ in range(copies)]
+        preps = [lambda i: _build.evict(packed[i % copies]), lambda i: _build.evict(dense[i % copies])] if cold else None
         w_bytes = w.numel() * w.element_size()
         del w
         fxc_t, aten_t, worst = {}, {}, 0.0
@@ -163,13 +172,14 @@ class LinearAutotuner:
 
                 if floor:
                     fxc(0)
-                    est = min(_timed(fxc, 1), _timed(fxc, 2))
+                    prep = preps[0] if preps else None
+                    est = min(_timed(fxc, 1, prep), _timed(fxc, 2, prep))
                     if floor > CLEAR_LOSS_RATIO * est:  # ATen loses by far even at a smaller M: not run
                         fxc_t[m], aten_t[m] = est, floor
                         floored.append(m)
                         continue
                 for _attempt in range(2):
-                    (fxc_t[m], aten_t[m]), stalled = _bench([fxc, ref], self.seconds_per_shape / len(ms))
+                    (fxc_t[m], aten_t[m]), stalled = _bench([fxc, ref], self.seconds_per_shape / len(ms), preps)
                     if stalled <= self.max_stalled:
                         break
                 fastest = min(fxc_t[m], aten_t[m])
@@ -184,41 +194,40 @@ class LinearAutotuner:
         return fxc_t, aten_t, worst
 
 
-def _timed(f, i: int) -> float:
+def _timed(f, i: int, prep=None) -> float:
+    if prep is not None:
+        prep(i)  # not timed (the weight flush)
     t0 = time.perf_counter()
     f(i)
     return max(time.perf_counter() - t0, 1e-7)
 
 
-def _bench(fns, budget_s: float) -> tuple[list[float], float]:
+def _bench(fns, budget_s: float, preps=None) -> tuple[list[float], float]:
     """Per-call times of each ``fn(i)``, calls interleaved (fn0, fn1, fn0, ...) so that contention
     hits every candidate alike; returns the 25th percentile of each, and the largest fraction of
-    stalled calls (over 3x that candidate's fastest) of any candidate.
+    stalled calls (over 3x that candidate's fastest) of any candidate. ``preps[j](i)``, when given, runs
+    untimed before each call of ``fns[j]`` (the autotuner flushes the call's weight from the caches).
 
     A low percentile, not the mean: on a shared host a call can lose a scheduler slice (an
     OpenMP barrier waits for a descheduled thread), and the decision is cached for good."""
-    first = [_timed(f, 0) for f in fns]  # cold calls: warm-up costs only make a candidate look slower
+    preps = list(preps) if preps is not None else [None] * len(fns)
+    first = [_timed(f, 0, p) for f, p in zip(fns, preps)]  # first calls: warm-up costs only make a candidate look slower
     slow, fast = first.index(max(first)), first.index(min(first))
     if first[slow] > CLEAR_LOSS_RATIO * first[fast] + NO_STALL_LASTS_S:  # seconds lost: no scheduler slice
         return first, 0.0
     clear = first[slow] > CLEAR_LOSS_RATIO * first[fast]
-    first = [_timed(f, 1) for f in fns]  # warm calls
+    first = [_timed(f, 1, p) for f, p in zip(fns, preps)]  # warmed-up calls
     if clear and first[slow] > CLEAR_LOSS_RATIO * first[fast]:  # the slower one lost by far twice: no rounds
         return first, 0.0
-    est = []
-    for f, t in zip(fns, first):
-        best = t
-        for i in range(2, 4):
-            t0 = time.perf_counter()
-            f(i)
-            best = min(best, time.perf_counter() - t0)
-        est.append(max(best, 1e-7))
+    est = [min([t] + [_timed(f, i, p) for i in range(2, 4)]) for f, p, t in zip(fns, preps, first)]
     calls = max(20, min(5000, int(budget_s / sum(est))))
     samples: list[list[float]] = [[] for _ in fns]
     clock = time.perf_counter
     deadline = clock() + 4 * budget_s  # stalls must not stretch a build: stop early, keep what was measured
     for i in range(calls):
-        for f, out in zip(fns, samples):
+        for f, p, out in zip(fns, preps, samples):
+            if p is not None:
+                p(i)
             t0 = clock()
             f(i)
             out.append(clock() - t0)

@@ -1661,6 +1661,14 @@ TORCH_LIBRARY_IMPL(fxc, CPU, m) {
 // The ISA this library was compiled for, queried from Python via ctypes.
 extern "C" const char* fxc_kernels_isa() { return fxc::kIsa; }
 
+// Evicts [p, p + bytes) from every cache level (one clflush per 64-byte line): the autotuner's timed calls then
+// read their weight from DRAM, as a step of a model larger than the last-level cache reads every weight.
+extern "C" void fxc_evict(const void* p, long bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (long off = 0; off < bytes; off += 64) _mm_clflush(c + off);
+  _mm_mfence();
+}
+
 // Whether the AMX path is compiled in and usable on this CPU/OS (1) or not (0).
 #ifdef FXC_TUNE
 extern "C" void fxc_set_tune(long dist, int hint) {

@@ -69,10 +69,11 @@ def test_stalled_timings_are_not_cached(cache, monkeypatch):
     t = LinearAutotuner(seconds_per_shape=0.02)
     if t.isa() == "aten":
         pytest.skip("no kernels on this machine")
-    monkeypatch.setattr(autotune, "_bench", lambda fns, budget: ([1e-5, 2e-5], 0.9))
+    monkeypatch.setattr(autotune, "_bench", lambda fns, budget, preps=None: ([1e-5, 2e-5], 0.9))
     r = t.measure(64, 64, torch.float32, "matmul", (1,))
     assert r.info.get("unreliable") and not t.cache_file().exists()
-    monkeypatch.setattr(autotune, "_bench", lambda fns, budget: pytest.fail("re-timed a shape this build measured"))
+    monkeypatch.setattr(autotune, "_bench",
+                        lambda fns, budget, preps=None: pytest.fail("re-timed a shape this build measured"))
     again = t.measure(64, 64, torch.float32, "matmul", (1,))  # the next node of that shape
     assert again.info.get("unreliable") and (again.fxc, again.aten) == (r.fxc, r.aten) and t.measured == 1
     assert not LinearAutotuner()._load()  # nothing on disk
@@ -124,11 +125,52 @@ def test_a_compute_bound_timing_is_not_a_stall(cache, monkeypatch):
     t = LinearAutotuner(seconds_per_shape=0.02)
     if t.isa() == "aten":
         pytest.skip("no kernels on this machine")
-    monkeypatch.setattr(autotune, "_bench", lambda fns, budget: ([8e-3, 2e-2], 0.0))
+    monkeypatch.setattr(autotune, "_bench", lambda fns, budget, preps=None: ([8e-3, 2e-2], 0.0))
     r = t.measure(576, 3072, torch.bfloat16, "matmul", (256,))  # 3.5 MB of weight in 8 ms: 0.44 GB/s, 113 GFLOP/s
     assert not r.info.get("unreliable") and r.info["key"] in json.loads(t.cache_file().read_text())
     r = t.measure(576, 3072, torch.bfloat16, "matmul", (1,))  # 3.5 MB in 8 ms at M = 1: a stall
     assert r.info.get("unreliable")
+
+
+def test_each_timed_call_finds_its_weight_flushed(cache, monkeypatch):
+    """Every timed call of either candidate is preceded by a flush of the weight it reads (a step of a model larger
+    than the last-level cache reads every weight from DRAM), and only one copy of each weight is made; the flush
+    leaves the bytes as they were."""
+    from backends.cpu import _build
+
+    t = _fast()
+    if t.isa() == "aten":
+        pytest.skip("no kernels on this machine")
+    w = torch.randn(64, 32)
+    before = w.clone()
+    assert _build.evict(w) and torch.equal(w, before)
+    flushed, real_bench = [], autotune._bench
+
+    def spy_bench(fns, budget, preps=None):
+        assert preps is not None and len(preps) == len(fns) == 2
+        calls = []
+
+        def wrap(f, j):
+            def g(i):
+                calls.append((j, "call"))
+                return f(i)
+            return g
+
+        def wrap_prep(p, j):
+            def g(i):
+                calls.append((j, "flush"))
+                return p(i)
+            return g
+        out = real_bench([wrap(f, j) for j, f in enumerate(fns)], budget, [wrap_prep(p, j) for j, p in enumerate(preps)])
+        for j in (0, 1):  # each candidate's calls alternate with flushes of its weight, a flush first
+            mine = [kind for c, kind in calls if c == j]
+            assert mine[0::2] == ["flush"] * len(mine[0::2]) and mine[1::2] == ["call"] * len(mine[1::2])
+        flushed.append(len(calls))
+        return out
+
+    monkeypatch.setattr(autotune, "_bench", spy_bench)
+    r = t.measure(48, 64, torch.float32, "matmul", (1, 4))
+    assert len(flushed) == 2 and all(n >= 8 for n in flushed) and "_cold" in r.info["key"]
 
 
 def test_backend_reexports_the_ir_level_ops():
