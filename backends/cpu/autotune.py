@@ -13,9 +13,10 @@ clflush, not timed), so each call reads its weight from DRAM as a step does in s
 model's weights once, more bytes than the last-level cache keeps for SmolLM2 in fp32 (538 MB). Timed from
 the cache instead (the copies below, all of them in a 480 MiB L3), MKL won at M = 16 for q/k/v and o_proj
 (1.2–1.6×) and took the M = 5–32 range, while in the engine the kernel was faster there: a 32-token fp32
-prefill 41.5 → 37–39 ms with every matmul lowered (Intel family 6 model 167, 2026-12-05). Without the kernel
-library (no flush) each candidate cycles through copies of its weight (``pool_bytes`` in all, default 64 MiB)
-so that small weights are not timed from L2 alone. Calls of the two candidates alternate and the
+prefill 41.5 → 37–39 ms with every matmul lowered (Intel family 6 model 167, 2026-12-05). Weights over
+``EVICT_MAX_BYTES`` (32 MiB; flushing one costs ~0.7 ms per MB, 80 ms a call for SmolLM2's fp32 lm_head), or
+without the kernel library, are not flushed: each candidate then cycles through copies of its weight
+(``pool_bytes`` in all, default 64 MiB) so that small weights are not timed from L2 alone. Calls of the two candidates alternate and the
 25th percentile of each counts (on a shared host a call can lose a scheduler slice). A candidate
 more than ``CLEAR_LOSS_RATIO`` times slower on a cold and a warm call (or by seconds on the cold
 one) is decided without rounds, and once ATen lost by that much at some M, a larger M (which
@@ -61,6 +62,7 @@ MIN_PLAUSIBLE_FLOPS = 2e9
 # N = 3072 against the kernel's 8 ms: timing it 20 times cost minutes per build).
 CLEAR_LOSS_RATIO = 10.0
 NO_STALL_LASTS_S = 0.5  # a cold call that loses by this much more is decided on its own
+EVICT_MAX_BYTES = 32 << 20  # weights up to this size are flushed from the caches before each timed call
 
 
 class LinearAutotuner:
@@ -148,7 +150,9 @@ class LinearAutotuner:
     def _measure(self, k: int, n: int, dtype: torch.dtype, baseline: str, ms: tuple[int, ...]):
         gen = torch.Generator().manual_seed(k * 131071 + n)
         w = (torch.randn(n, k, generator=gen) / math.sqrt(k)).to(dtype)
-        cold = _build.evict(w[:1])  # the library flushes: one copy each, flushed before every timed call
+        # the library flushes: one copy each, flushed before every timed call (up to EVICT_MAX_BYTES: a flush costs
+        # ~0.7 ms per MB, 80 ms a call for SmolLM2's fp32 lm_head, which would add seconds to a cold build)
+        cold = w.numel() * w.element_size() <= EVICT_MAX_BYTES and _build.evict(w[:1])
         copies = 1 if cold else max(1, min(16, self.pool_bytes // max(1, w.numel() * w.element_size())))
         packed = [pack_linear_weight(w) for _ in range(copies)]
         dense = [w.t().contiguous() if baseline == "matmul" else w.clone() for _ in range(copies)]
