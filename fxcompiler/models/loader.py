@@ -3,17 +3,21 @@
 GGUF files (and the embedded default model, which is a GGUF inside a PyPI package)
 go through transformers' GGUF loader once and are converted into an HF-format
 directory under ``cache_dir`` (dense safetensors), so every later load takes well
-under a second. ``use_random_weight`` builds the model from its config with seeded
+under a second. Without a ``cache_dir`` the conversion goes to one temporary folder per
+process (converted once there), removed when the process exits; a folder whose process
+died without removing it goes when the next conversion starts. ``use_random_weight`` builds the model from its config with seeded
 random weights; ``hf_overrides`` patch the config first.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +69,37 @@ def _safe_name(model_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "--" for c in model_id)
 
 
+_TEMP_PREFIX = "fxcompiler-gguf-"
+_temp_root: dict[int, Path] = {}  # pid -> this process's conversion folder (no cache dir)
+_temp_lock = threading.Lock()
+
+
+def _remove_own_temp_root(pid: int, root: Path) -> None:
+    if os.getpid() == pid:  # not in a forked child that inherited the exit handler
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def temp_conversion_root() -> Path:
+    """This process's folder for GGUF conversions without a cache dir (``<tmp>/fxcompiler-gguf-<pid>-*``): each
+    holds a dequantised model (0.5 GB for SmolLM2 in fp32), so it is made once per process and removed at exit,
+    and the folders of processes that died without removing theirs are removed when it is made."""
+    from ..integrity import remove_stale_temps
+
+    pid = os.getpid()
+    with _temp_lock:
+        root = _temp_root.get(pid)
+        if root is None or not root.is_dir():
+            remove_stale_temps(tempfile.gettempdir(), _TEMP_PREFIX)
+            root = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{pid}-"))
+            _temp_root[pid] = root
+            atexit.register(_remove_own_temp_root, pid, root)
+        return root
+
+
 def convert_gguf(gguf: Path, model_id: str, cache_dir: str | os.PathLike | None) -> Path:
     """Dequantise a GGUF into an HF-format directory once (atomic rename); return the directory."""
     if cache_dir is None:
-        root = Path(tempfile.mkdtemp(prefix="fxcompiler-gguf-"))
+        root = temp_conversion_root()
     else:
         root = Path(cache_dir) / "models"
     target = root / f"{_safe_name(model_id)}-{_file_digest(gguf, cache_dir)}"
