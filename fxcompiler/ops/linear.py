@@ -16,7 +16,8 @@ IR level (this module, importable by passes and backends alike):
 ``fxc::linear_w8(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size) -> Tensor``
     int8 weight-only, per-channel (``group_size`` -1 or K) or per-group scales, from
     :func:`quantize_linear_weight_int8`.
-``fxc::linear_w8_add(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, Tensor residual, int n, int group_size)``
+``fxc::linear_w8_add(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, Tensor residual, int n,
+int group_size)``
     ``residual + fxc::linear_w8(...)`` as one op (an output projection and its residual add; the sum formed in the
     linear's epilogue), bit for bit the two ops.
 ``fxc::linear_w8_silu_mul(Tensor x, Tensor w_int8_packed, Tensor scales, Tensor? bias, int n, int group_size)``
@@ -60,7 +61,8 @@ from .fused import silu_mul_reference  # (and defines fxc::silu_mul, which linea
 __all__ = [
     "NB", "LinearKernelTuner", "LinearTimings", "dequantize_linear_weight_int8", "linear", "linear_reference",
     "linear_w8", "linear_w8_add", "linear_w8_add_aten", "linear_w8_add_reference", "linear_w8_reference",
-    "linear_w8_silu_mul", "linear_w8_silu_mul_aten", "linear_w8_silu_mul_reference", "check_silu_mul_width",
+    "linear_w8_silu_mul", "linear_w8_silu_mul_aten", "linear_w8_silu_mul_reference", "check_residual",
+    "check_silu_mul_width",
     "pack_linear_weight", "quantize_linear_weight_int8",
     "set_cpu_kernel_loader", "unpack_linear_weight", "linear_by_m", "linear_by_m_reference", "m_in_ranges",
 ]
@@ -211,13 +213,18 @@ def _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size):
     return x.new_empty(_out_shape(x, n))
 
 
+def check_residual(op: str, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """A fused ``residual + linear`` op's fake: ``residual`` must have the linear output ``y``'s shape and dtype."""
+    torch._check(tuple(residual.shape) == tuple(y.shape) and residual.dtype == y.dtype,
+                 lambda: f"{op}: residual must be {y.dtype} {tuple(y.shape)}, got {residual.dtype} "
+                         f"{tuple(residual.shape)}")
+    return y
+
+
 @torch.library.register_fake("fxc::linear_w8_add", lib=_lib)
 def _linear_w8_add_fake(x, w_int8_packed, scales, bias, residual, n, group_size):
     y = _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size)
-    torch._check(tuple(residual.shape) == tuple(y.shape) and residual.dtype == y.dtype,
-                 lambda: f"fxc::linear_w8_add: residual must be {y.dtype} {tuple(y.shape)}, got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
-    return y
+    return check_residual("fxc::linear_w8_add", y, residual)
 
 
 def check_silu_mul_width(n: int, op: str = "fxc::linear_w8_silu_mul") -> None:

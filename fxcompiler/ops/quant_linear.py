@@ -44,13 +44,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .linear import NB, _composite, _pad_rows, _panels, check_silu_mul_width
+from .linear import NB, _composite, _pad_rows, _panels, check_residual, check_silu_mul_width
 from .fused import silu_mul_reference  # (and defines fxc::silu_mul, which linear_w4_silu_mul's reference calls)
 
-__all__ = ["FP8", "dequantize_linear_weight_fp8", "dequantize_linear_weight_int4", "fp16_if_exact", "linear_f8", "linear_f8_reference",
-           "linear_w4", "linear_w4_add", "linear_w4_add_aten", "linear_w4_add_reference", "linear_w4_reference",
-           "linear_w4_silu_mul", "linear_w4_silu_mul_aten", "linear_w4_silu_mul_reference", "pack_fp8", "pack_int4", "quantize_fp8_codes", "quantize_linear_weight_fp8",
-           "quantize_linear_weight_int4", "set_quant_kernel_loader", "unpack_fp8", "unpack_int4"]
+__all__ = ["FP8", "dequantize_linear_weight_fp8", "dequantize_linear_weight_int4", "fp16_if_exact", "linear_f8",
+           "linear_f8_reference", "linear_w4", "linear_w4_add", "linear_w4_add_aten", "linear_w4_add_reference",
+           "linear_w4_reference", "linear_w4_silu_mul", "linear_w4_silu_mul_aten", "linear_w4_silu_mul_reference",
+           "pack_fp8", "pack_int4", "quantize_fp8_codes", "quantize_linear_weight_fp8", "quantize_linear_weight_int4",
+           "set_quant_kernel_loader", "unpack_fp8", "unpack_int4"]
 
 _lib = torch.library.Library("fxc", "FRAGMENT")
 _lib.define("linear_w4(Tensor x, Tensor w_int4_packed, Tensor scales, Tensor mins, Tensor? bias, int n, "
@@ -207,10 +208,7 @@ def linear_w4_reference(x, w_int4_packed, scales, mins, bias, n, group_size):
 @torch.library.register_fake("fxc::linear_w4_add", lib=_lib)
 def _linear_w4_add_fake(x, w_int4_packed, scales, mins, bias, residual, n, group_size):
     y = _linear_w4_fake(x, w_int4_packed, scales, mins, bias, n, group_size)
-    torch._check(tuple(residual.shape) == tuple(y.shape) and residual.dtype == y.dtype,
-                 lambda: f"fxc::linear_w4_add: residual must be {y.dtype} {tuple(y.shape)}, got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
-    return y
+    return check_residual("fxc::linear_w4_add", y, residual)
 
 
 @torch.library.register_fake("fxc::linear_w4_silu_mul", lib=_lib)

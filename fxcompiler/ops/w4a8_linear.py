@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from .linear import _composite, _pad_rows
+from .linear import _composite, _pad_rows, check_residual
 from .quant_linear import dequantize_int4_codes, group_params_layout, unpack_int4
 
 __all__ = ["NB4", "error_bound", "linear_w4a8", "linear_w4a8_add", "linear_w4a8_add_reference", "linear_w4a8_reference",
@@ -255,10 +255,7 @@ def linear_w4a8_add_aten(x, w_int4_packed, scales, mins, bias, residual, n, grou
 @torch.library.register_fake("fxc::linear_w4a8_add", lib=_lib)
 def _linear_w4a8_add_fake(x, w_int4_packed, scales, mins, bias, residual, n, group_size):
     y = _linear_w4a8_fake(x, w_int4_packed, scales, mins, bias, n, group_size)
-    torch._check(tuple(residual.shape) == tuple(y.shape) and residual.dtype == y.dtype,
-                 lambda: f"fxc::linear_w4a8_add: residual must be {y.dtype} {tuple(y.shape)}, got {residual.dtype} "
-                         f"{tuple(residual.shape)}")
-    return y
+    return check_residual("fxc::linear_w4a8_add", y, residual)
 
 
 _lib.impl("linear_w4a8_add", _composite(torch.ops.fxc.linear_w4a8_add.default, linear_w4a8_add_reference,
