@@ -16,8 +16,8 @@ the cache instead (the copies below, all of them in a 480 MiB L3), MKL won at M 
 prefill 41.5 → 37–39 ms with every matmul lowered (Intel family 6 model 167, 2026-12-05). Weights over
 ``EVICT_MAX_BYTES`` (32 MiB; flushing one costs ~0.7 ms per MB, 80 ms a call for SmolLM2's fp32 lm_head), or
 without the kernel library, are not flushed: each candidate then cycles through copies of its weight
-(``pool_bytes`` in all, default 64 MiB) so that small weights are not timed from L2 alone. Calls of the two candidates alternate and the
-25th percentile of each counts (on a shared host a call can lose a scheduler slice). A candidate
+(``pool_bytes`` in all, default 64 MiB) so that small weights are not timed from L2 alone. Calls of the two
+candidates alternate and the 25th percentile of each counts (on a shared host a call can lose a scheduler slice). A candidate
 more than ``CLEAR_LOSS_RATIO`` times slower on a cold and a warm call (or by seconds on the cold
 one) is decided without rounds, and once ATen lost by that much at some M, a larger M (which
 cannot take it less time) times the kernel only and records ATen's time as that lower bound:
@@ -94,7 +94,8 @@ class LinearAutotuner:
         ms = tuple(int(m) for m in ms)
         _build.ensure_loaded()  # the cache file is named after the loaded kernel build
         key = (f"K{k}_N{n}_{_DTYPES[weight_dtype]}_{baseline}_M{'-'.join(map(str, ms))}_t{torch.get_num_threads()}"
-               "_cold")  # cold: weights flushed before each timed call (older entries timed them from the cache)
+               "_cold")  # this policy: weights up to EVICT_MAX_BYTES flushed before each timed call (older entries
+        # timed every weight from the cache)
         with self._lock:
             entries = self._load()
             hit = entries.get(key)
