@@ -62,7 +62,7 @@ __all__ = [
     "NB", "LinearKernelTuner", "LinearTimings", "dequantize_linear_weight_int8", "linear", "linear_reference",
     "linear_w8", "linear_w8_add", "linear_w8_add_aten", "linear_w8_add_reference", "linear_w8_reference",
     "linear_w8_silu_mul", "linear_w8_silu_mul_aten", "linear_w8_silu_mul_reference", "check_residual",
-    "check_silu_mul_width",
+    "check_silu_mul_width", "silu_mul_out",
     "pack_linear_weight", "quantize_linear_weight_int8",
     "set_cpu_kernel_loader", "unpack_linear_weight", "linear_by_m", "linear_by_m_reference", "m_in_ranges",
 ]
@@ -221,6 +221,14 @@ def check_residual(op: str, y: torch.Tensor, residual: torch.Tensor) -> torch.Te
     return y
 
 
+def silu_mul_out(op: str, n: int, panel: int, y: torch.Tensor) -> torch.Tensor:
+    """A fused gate/up op's fake: ``n = 2 H`` with ``H`` a multiple of ``panel``; the ``[..., H]`` product of the
+    linear output ``y``'s halves."""
+    torch._check(n > 0 and n % (2 * panel) == 0,
+                 lambda: f"{op}: n={n} must be 2 * H with H a multiple of {panel}")
+    return y.new_empty(tuple(y.shape[:-1]) + (n // 2,))
+
+
 @torch.library.register_fake("fxc::linear_w8_add", lib=_lib)
 def _linear_w8_add_fake(x, w_int8_packed, scales, bias, residual, n, group_size):
     y = _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size)
@@ -235,10 +243,8 @@ def check_silu_mul_width(n: int, op: str = "fxc::linear_w8_silu_mul") -> None:
 
 @torch.library.register_fake("fxc::linear_w8_silu_mul", lib=_lib)
 def _linear_w8_silu_mul_fake(x, w_int8_packed, scales, bias, n, group_size):
-    torch._check(n > 0 and n % (2 * NB) == 0,
-                 lambda: f"fxc::linear_w8_silu_mul: n={n} must be 2 * H with H a multiple of {NB}")
-    _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size)
-    return x.new_empty(_out_shape(x, n // 2))
+    y = _linear_w8_fake(x, w_int8_packed, scales, bias, n, group_size)
+    return silu_mul_out("fxc::linear_w8_silu_mul", n, NB, y)
 
 
 @torch.library.register_fake("fxc::linear_by_m", lib=_lib)

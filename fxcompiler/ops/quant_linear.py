@@ -44,7 +44,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from .linear import NB, _composite, _pad_rows, _panels, check_residual, check_silu_mul_width
+from .linear import NB, _composite, _pad_rows, _panels, check_residual, check_silu_mul_width, silu_mul_out
 from .fused import silu_mul_reference  # (and defines fxc::silu_mul, which linear_w4_silu_mul's reference calls)
 
 __all__ = ["FP8", "dequantize_linear_weight_fp8", "dequantize_linear_weight_int4", "fp16_if_exact", "linear_f8",
@@ -213,10 +213,8 @@ def _linear_w4_add_fake(x, w_int4_packed, scales, mins, bias, residual, n, group
 
 @torch.library.register_fake("fxc::linear_w4_silu_mul", lib=_lib)
 def _linear_w4_silu_mul_fake(x, w_int4_packed, scales, mins, bias, n, group_size):
-    torch._check(n > 0 and n % (2 * NB) == 0,
-                 lambda: f"fxc::linear_w4_silu_mul: n={n} must be 2 * H with H a multiple of {NB}")
     y = _linear_w4_fake(x, w_int4_packed, scales, mins, bias, n, group_size)
-    return y.new_empty(tuple(y.shape[:-1]) + (n // 2,))
+    return silu_mul_out("fxc::linear_w4_silu_mul", n, NB, y)
 
 
 def linear_w4_add_reference(x, w_int4_packed, scales, mins, bias, residual, n, group_size):

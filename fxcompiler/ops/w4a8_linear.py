@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from .linear import _composite, _pad_rows, check_residual
+from .linear import _composite, _pad_rows, check_residual, silu_mul_out
 from .quant_linear import dequantize_int4_codes, group_params_layout, unpack_int4
 
 __all__ = ["NB4", "error_bound", "linear_w4a8", "linear_w4a8_add", "linear_w4a8_add_reference", "linear_w4a8_reference",
@@ -222,10 +222,8 @@ def linear_w4a8_silu_mul_aten(x, w_int4_packed, scales, mins, bias, n, group_siz
 
 @torch.library.register_fake("fxc::linear_w4a8_silu_mul", lib=_lib)
 def _linear_w4a8_silu_mul_fake(x, w_int4_packed, scales, mins, bias, n, group_size):
-    torch._check(n > 0 and n % (2 * NB4) == 0,
-                 lambda: f"fxc::linear_w4a8_silu_mul: n={n} must be 2 * H with H a multiple of {NB4}")
     y = _linear_w4a8_fake(x, w_int4_packed, scales, mins, bias, n, group_size)
-    return y.new_empty(tuple(y.shape[:-1]) + (n // 2,))
+    return silu_mul_out("fxc::linear_w4a8_silu_mul", n, NB4, y)
 
 
 _lib.impl("linear_w4a8_silu_mul", _composite(torch.ops.fxc.linear_w4a8_silu_mul.default,
