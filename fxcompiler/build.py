@@ -97,13 +97,17 @@ def pass_services(device: torch.device) -> dict[str, Any]:
 
 def backend_fingerprint(device: torch.device) -> dict[str, Any]:
     """What about the device changes the optimised graph (the lowering pass asks the CPU
-    backend which kernels exist and win): part of the compile-cache key."""
+    backend which kernels exist and win): part of the compile-cache key. On CPU that includes the
+    intra-op thread count the autotuner times with: at 1 thread ATen's matmul and the kernel tie
+    on SmolLM2's q/k/v and o_proj shapes at M = 1-64, at 2 threads the kernel wins by 1.3x at M = 16-64,
+    so a program lowered in a 1-thread process is the wrong one for a 2-thread engine."""
     if device.type != "cpu":
         return {"device": str(device)}
     from backends.cpu import _build
 
     paths = {k: os.environ[k] for k in ("FXCOMPILER_CPU_AMX", "FXCOMPILER_CPU_BF16DOT") if k in os.environ}
-    return {"device": "cpu", "isa": _build.detect_isa(), "cpu": _cpu_model(), **({"paths": paths} if paths else {})}
+    return {"device": "cpu", "isa": _build.detect_isa(), "cpu": _cpu_model(), "threads": torch.get_num_threads(),
+            **({"paths": paths} if paths else {})}
 
 
 def _cpu_model() -> str:

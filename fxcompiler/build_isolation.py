@@ -41,7 +41,8 @@ def compile_in_child(request, loaded, *, device: torch.device, cache_dir: str | 
     in ``cache_dir``; with ``fx_build`` (``_build_fx``'s ``model_name``, ``buckets``, ``block_size``, ``options``,
     ``workers``) the child also builds the bucket pipelines into the build cache. Returns the child's build
     info, or None (logged with the reason) when it did not."""
-    payload = pickle.dumps((request, loaded, str(device), os.fspath(cache_dir), key, fx_build))
+    # the child tunes and keys the program with the parent's intra-op thread count (part of the key)
+    payload = pickle.dumps((request, loaded, str(device), os.fspath(cache_dir), key, fx_build, torch.get_num_threads()))
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     log.info("compiling %s in a child process (compile_in_subprocess)", request.model_id)
@@ -63,7 +64,8 @@ def compile_in_child(request, loaded, *, device: torch.device, cache_dir: str | 
 
 def _child_main() -> int:
     """The child: build and store the program the parent asked for; print its build info."""
-    request, loaded, device, cache_dir, key, fx_build = pickle.loads(sys.stdin.buffer.read())
+    request, loaded, device, cache_dir, key, fx_build, threads = pickle.loads(sys.stdin.buffer.read())
+    torch.set_num_threads(threads)
     from .build import _build_fx, compile_program
 
     dev = torch.device(device)

@@ -122,6 +122,20 @@ def test_what_changes_the_program_changes_the_key(llama, shared_cache, change):
     assert _tokens(again) == _tokens(other)
 
 
+def test_the_tuning_thread_count_is_part_of_the_key(llama, shared_cache):
+    """The lowering pass times the kernels at this process's intra-op thread count, so a program lowered
+    at one count is not reused at another (a 1-thread build chose ATen where a 2-thread engine loses by 1.3x)."""
+    cache, base_key = shared_cache
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)
+    try:
+        other = _llm(llama, cache, skip_engine=True)
+    finally:
+        torch.set_num_threads(before)
+    assert other.build_info["compile_cache"] == "miss" and other.build_info["cache_key"] != base_key
+    assert _llm(llama, cache, skip_engine=True).build_info["cache_key"] == base_key
+
+
 def test_uncacheable_options_bypass_the_cache(llama, tmp_path, monkeypatch):
     def noop(gm, ctx):
         from fxcompiler.pass_manager import PassResult
