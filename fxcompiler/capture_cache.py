@@ -50,5 +50,6 @@ class CaptureCache(CompileCache):
     def store_captured(self, key: str, captured: CapturedProgram) -> None:
         """Write ``captured`` (call before any pass runs on it); an existing entry is kept."""
         ctx = CompileContext(list(captured.input_specs), captured.params, captured.geometry, {})
-        write_entry(self.path(key), lambda tmp: save_program(tmp, captured.graph_module, ctx,
-                                                             {"stage": "capture"}, node_names=True), self.WHAT)
+        written = write_entry(self.path(key), lambda tmp: save_program(tmp, captured.graph_module, ctx,
+                                                                       {"stage": "capture"}, node_names=True), self.WHAT)
+        self._stored(self.path(key), written)  # marked used; the size limit enforced on the others

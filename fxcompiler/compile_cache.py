@@ -15,7 +15,8 @@ pass history), ``graph.py`` (see :mod:`fxcompiler.graph_io`), ``constants.safete
 ``params.safetensors``, and ``checksums.json`` (size and sha256 of each: verified before any
 file is parsed or the graph code run; an entry that fails is removed and rebuilt). Entries
 are written to a temporary directory and renamed, so a crash never leaves a half-written
-entry behind.
+entry behind. A hit marks the entry used and a new entry prunes the least recently used others
+down to the cache size limit (:mod:`fxcompiler.cache_limits`).
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 
 from . import graph_io
+from .cache_limits import enforce_limit, mark_used
 from .capture import InputSpec, ModelGeometry
 from .integrity import StampStore, stamp_store, verify_checksums, write_checksums
 from .pass_manager import CompileContext
@@ -284,22 +286,32 @@ class CompileCache:
             shutil.rmtree(entry, ignore_errors=True)
             return None
         log.info("%s hit %s (%.2fs)", self.WHAT, key, time.perf_counter() - t0)
+        mark_used(entry)  # recency for the size limit (fxcompiler.cache_limits)
         return program
 
     def store(self, key: str, gm: torch.fx.GraphModule, ctx: CompileContext, extra: dict | None = None) -> None:
-        write_entry(self.path(key), lambda tmp: save_program(tmp, gm, ctx, extra), self.WHAT)
+        written = write_entry(self.path(key), lambda tmp: save_program(tmp, gm, ctx, extra), self.WHAT)
         stamps = stamp_store(self.cache_dir)
         entry = self.path(key)
         if stamps is not None and (entry / "checksums.json").is_file():  # the next start then hashes nothing
             stamps.settle(sorted(f for f in entry.iterdir() if f.is_file() and f.name != "checksums.json"))
+        self._stored(entry, written)
+
+    def _stored(self, entry: Path, written: bool) -> None:
+        """After a store: ``entry`` counts as used, and a new entry may take the cache over its size limit
+        (``FXCOMPILER_CACHE_MAX_SIZE``), so the least recently used others are pruned (never this one)."""
+        mark_used(entry)
+        if written:
+            enforce_limit(self.cache_dir, keep=(entry,))
 
 
-def write_entry(entry: Path, write: Callable[[Path], None], what: str) -> None:
+def write_entry(entry: Path, write: Callable[[Path], None], what: str) -> bool:
     """Write the cache entry directory ``entry`` atomically: ``write(tmp)`` creates and fills a
     temporary sibling (its parents included), which is then renamed to ``entry``. An existing
-    entry is kept (a concurrent writer got there first); a failed write is logged, never left."""
+    entry is kept (a concurrent writer got there first); a failed write is logged, never left.
+    Returns whether this call put a new entry in place."""
     if entry.exists():
-        return
+        return False
     from .integrity import remove_stale_temps
 
     remove_stale_temps(entry.parent, ".tmp-")  # left by a writer that was killed
@@ -307,8 +319,10 @@ def write_entry(entry: Path, write: Callable[[Path], None], what: str) -> None:
     try:
         write(tmp)
         os.replace(tmp, entry)
+        return True
     except OSError as exc:
         if not entry.exists():
             log.warning("could not write %s entry %s: %s", what, entry, exc)
+        return False
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

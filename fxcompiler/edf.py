@@ -441,6 +441,10 @@ def to_edf_blob(blob: DataBlob, cache_dir: str | os.PathLike | None, device: tor
         path.unlink(missing_ok=True)
     if path.is_file():
         _count(stats, "cached")
+        if cache_dir is not None:
+            from .cache_limits import mark_used
+
+            mark_used(path)  # recency for the cache size limit
     else:
         t0 = time.perf_counter()
         compile_package(blob.graph, path, device, name=f"fx:{blob.id}")

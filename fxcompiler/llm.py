@@ -24,18 +24,12 @@ from .models.sources import resolve_model_source
 from . import lifecycle
 from .chat_checks import check_messages, check_tools
 from .outputs import RequestOutput
+from .cache_limits import default_cache_dir
 from .pipeline import Bucket, Device, parse_devices
 from .sampling_params import RequestOutputKind, SamplingParams
 from runtime import openmp_team
 
 log = logging.getLogger("fxcompiler")
-
-
-def default_cache_dir() -> Path:
-    root = os.environ.get("FXCOMPILER_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache"))) / "fxcompiler"
 
 
 CACHE_DIR = default_cache_dir()
@@ -330,6 +324,9 @@ class LLM:
             from .integrity import check_private_dir
 
             check_private_dir(self.cache_dir)  # created 0700; refused when another user could write to it
+            from .cache_limits import max_size
+
+            max_size()  # a bad FXCOMPILER_CACHE_MAX_SIZE is refused now, not after a build stored its entry
         self.comp_supertask_kind = comp_supertask_kind or "fx"
         self.use_blockwise_compile = use_blockwise_compile
         self.scheduler_config = scheduler_config
@@ -490,6 +487,7 @@ class LLM:
         if artifacts_export_path is not None and spec_request is None:
             self._export_artifact(artifacts_export_path, param_saved_format)
         self._start(skip_engine, enable_prefix_caching, kv_cache_sharing_across_beams_config)
+        self._mark_mapped_cache_entries()
         self.speculative_llm, self.num_speculative_tokens = None, None
         if spec_request is not None:
             from .speculative import attach
@@ -608,6 +606,19 @@ class LLM:
         from .kv_cache_quant import KV_TORCH_DTYPES
 
         return KV_TORCH_DTYPES[self.kv_cache_dtype]
+
+    def _mark_mapped_cache_entries(self) -> None:
+        """Mark the cache entries whose files this process maps (the C++ kernel libraries, which ``backends/``
+        loads from ``$FXCOMPILER_CACHE_DIR/kernels`` and whose loads touch nothing, mapped parameters) as used,
+        for the cache size limit's recency (fxcompiler/cache_limits.py)."""
+        from .cache_limits import touch_mapped
+
+        roots = [self.cache_dir]
+        if self._device.type == "cpu":
+            from backends.cpu._build import cache_root
+
+            roots.append(cache_root())
+        touch_mapped(roots)
 
     def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config,
                replicas: int | None = None) -> None:

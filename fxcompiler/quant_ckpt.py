@@ -426,6 +426,10 @@ def convert_quant_checkpoint(ckpt: str | os.PathLike, model_dir: str | os.PathLi
     digest = hashlib.sha256(f"{digest}:{act_dtype}".encode()).hexdigest()[:16]
     root = Path(tempfile.mkdtemp(prefix="fxcompiler-qckpt-")) if cache_dir is None else Path(cache_dir) / "models"
     target = root / f"qckpt-{digest}" / meta_dir.name
+    if cache_dir is not None:
+        from .cache_limits import mark_used
+
+        mark_used(target.parent)  # the entry (models/qckpt-<digest>): recency for the cache size limit
     if _verified(target):
         return target
     root.mkdir(parents=True, exist_ok=True)

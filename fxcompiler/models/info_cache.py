@@ -335,6 +335,9 @@ def read_entry(entry: Path, model_dir: Path, model_id: str, cache_dir: Any) -> t
         shutil.rmtree(entry, ignore_errors=True)
         return None
     log.info("model-info cache hit %s (%.3fs)", entry.name, time.perf_counter() - t0)
+    from ..cache_limits import mark_used
+
+    mark_used(entry)  # recency for the cache size limit
     return LoadedModel(None, config, gen, model_id, model_dir), tok
 
 

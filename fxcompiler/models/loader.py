@@ -103,16 +103,19 @@ def convert_gguf(gguf: Path, model_id: str, cache_dir: str | os.PathLike | None)
     else:
         root = Path(cache_dir) / "models"
     target = root / f"{_safe_name(model_id)}-{_file_digest(gguf, cache_dir)}"
-    if _complete(target):
-        return target
-    root.mkdir(parents=True, exist_ok=True)
-    # Concurrent processes (e.g. parallel test workers) convert once: the others wait here.
-    with _exclusive(root / f".{target.name}.lock"):
-        from ..integrity import remove_stale_temps
+    if not _complete(target):
+        root.mkdir(parents=True, exist_ok=True)
+        # Concurrent processes (e.g. parallel test workers) convert once: the others wait here.
+        with _exclusive(root / f".{target.name}.lock"):
+            from ..integrity import remove_stale_temps
 
-        remove_stale_temps(root, ".convert-")  # left by a conversion that was killed
-        if not _complete(target):
-            _convert_into(gguf, root, target)
+            remove_stale_temps(root, ".convert-")  # left by a conversion that was killed
+            if not _complete(target):
+                _convert_into(gguf, root, target)
+    if cache_dir is not None:
+        from ..cache_limits import mark_used
+
+        mark_used(target)  # recency for the cache size limit; never pruned by this process
     return target
 
 
