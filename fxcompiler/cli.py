@@ -1,5 +1,5 @@
 """``fxcompiler`` command line: ``generate``, interactive streaming ``chat``, ``compile`` (passes and dumps),
-``build`` (an artifact directory) and ``inspect`` (an artifact's summary)."""
+``build`` (an artifact directory), ``inspect`` (an artifact's summary) and ``cache`` (the cache folder's size)."""
 from __future__ import annotations
 
 import argparse
@@ -473,7 +473,113 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_serve_args(bs)
     bs.add_argument("-v", "--verbose", action="store_true")
     bs.set_defaults(func=cmd_bench_serve)
+    _add_cache_parser(sub)
     return parser
+
+
+def _add_cache_parser(sub) -> None:
+    """``fxcompiler cache info|prune|clear`` (fxcompiler/cache_limits.py)."""
+    from .cache_limits import KINDS
+
+    ca = sub.add_parser("cache", help="the cache folder's size: info, prune (least recently used first), clear")
+    csub = ca.add_subparsers(dest="cache_command", required=True)
+    parsers = []
+    ci = csub.add_parser("info", help="per-kind totals and entry counts, the size limit, the oldest entries")
+    ci.add_argument("--oldest", type=int, default=10, metavar="N", help="list the N least recently used entries")
+    ci.set_defaults(func=cmd_cache_info)
+    cp = csub.add_parser("prune", help="remove least recently used entries down to the size limit")
+    cp.add_argument("--max-size", default=None, metavar="SIZE",
+                    help="e.g. 20G, 500M, 1.5GiB or bytes; 0 / none: no size bound (default: "
+                         "$FXCOMPILER_CACHE_MAX_SIZE, else 20 GiB)")
+    cp.add_argument("--older-than", type=float, default=None, metavar="DAYS",
+                    help="also remove every entry not used for DAYS days")
+    cp.add_argument("--dry-run", action="store_true", help="list what would be removed; remove nothing")
+    cp.set_defaults(func=cmd_cache_prune)
+    cc = csub.add_parser("clear", help="remove every entry (of --kind only, if given)")
+    cc.add_argument("--kind", action="append", choices=KINDS, default=None, help="only this kind (repeatable)")
+    cc.add_argument("--yes", action="store_true", help="required: confirms the removal")
+    cc.set_defaults(func=cmd_cache_clear)
+    parsers += [ci, cp, cc]
+    for p in parsers:
+        p.add_argument("--cache-dir", default=None,
+                       help="the cache folder (default: $FXCOMPILER_CACHE_DIR, else ~/.cache/fxcompiler)")
+        p.add_argument("-v", "--verbose", action="store_true")
+
+
+def _cache_dir_arg(args):
+    from .cache_limits import default_cache_dir
+
+    return args.cache_dir or default_cache_dir()
+
+
+def _limit_text() -> str:
+    from .cache_limits import ENV, format_bytes, max_size
+
+    limit = max_size()
+    source = f"{ENV}={os.environ[ENV]}" if os.environ.get(ENV, "").strip() else "the default"
+    return f"{'none' if limit is None else format_bytes(limit)} ({source})"
+
+
+def cmd_cache_info(args) -> int:
+    """``fxcompiler cache info``: what each kind holds, the limit, and the entries a prune removes first."""
+    from .cache_limits import KINDS, cache_usage, format_bytes, unmanaged_usage
+
+    root = _cache_dir_arg(args)
+    t0 = time.perf_counter()
+    entries = cache_usage(root)
+    scan = time.perf_counter() - t0
+    print(f"cache dir: {root}\nlimit: {_limit_text()}")
+    print(f"{'kind':<12}{'entries':>8}{'size':>12}")
+    for kind in KINDS:
+        of = [e for e in entries if e.kind == kind]
+        print(f"{kind:<12}{len(of):>8}{format_bytes(sum(e.bytes for e in of)):>12}")
+    print(f"{'total':<12}{len(entries):>8}{format_bytes(sum(e.bytes for e in entries)):>12}   (scanned in {scan:.3f}s)")
+    other = unmanaged_usage(root)
+    if other:
+        print("not managed: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in other.items()))
+    if entries and args.oldest > 0:
+        print("least recently used (pruned first):")
+        for e in entries[: args.oldest]:
+            print(f"  {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.last_used))}  {format_bytes(e.bytes):>10}  "
+                  f"{e.kind}/{e.path.name}")
+    return 0
+
+
+def _print_report(report, verb: str) -> None:
+    from .cache_limits import format_bytes
+
+    for e in report.removed:
+        print(f"{verb} {e.kind}/{e.path.name} ({format_bytes(e.bytes)}, last used "
+              f"{time.strftime('%Y-%m-%d %H:%M', time.localtime(e.last_used))})")
+    for e in report.busy:
+        print(f"left {e.kind}/{e.path.name}: locked by a build, or removed meanwhile")
+    print(f"{len(report.removed)} entries, {format_bytes(report.freed)} {'would be ' if report.dry_run else ''}freed: "
+          f"{format_bytes(report.bytes_before)} -> {format_bytes(report.bytes_after)}")
+
+
+def cmd_cache_prune(args) -> int:
+    """``fxcompiler cache prune``: least recently used entries out until the total fits the limit."""
+    from .cache_limits import max_size, parse_size, prune
+
+    if args.older_than is not None and not args.older_than >= 0:
+        raise ValueError(f"--older-than must be a number of days >= 0, got {args.older_than}")
+    limit = parse_size(args.max_size, what="--max-size") if args.max_size is not None else max_size()
+    older = args.older_than * 86400 if args.older_than is not None else None
+    report = prune(_cache_dir_arg(args), limit, older_than=older, dry_run=args.dry_run)
+    _print_report(report, "would remove" if args.dry_run else "removed")
+    return 0
+
+
+def cmd_cache_clear(args) -> int:
+    """``fxcompiler cache clear --yes``: every entry (of ``--kind``) removed."""
+    from .cache_limits import KINDS, prune
+
+    if not args.yes:
+        raise ValueError("cache clear removes every entry" + (f" of {', '.join(args.kind)}" if args.kind else "") +
+                         "; pass --yes to confirm (or see `fxcompiler cache prune --dry-run`)")
+    report = prune(_cache_dir_arg(args), 0, kinds=args.kind or KINDS)
+    _print_report(report, "removed")
+    return 0
 
 
 def cmd_bench_serve(args) -> int:
