@@ -191,9 +191,9 @@ def load_extension(name: str, sources, flags: list[str], **kwargs):
     without ``cpp_extension`` (its import and ninja's check cost a warm start ~0.25 s); anything else
     goes through ``cpp_extension.load``, which rebuilds what changed."""
     build_dir = cache_dir() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MAX_JOBS", "2")
-    with build_lock(build_dir):
+    with build_lock(build_dir):  # created under the lock: a cache prune skips entries whose lock is held
+        build_dir.mkdir(exist_ok=True)
         staged = _stage_sources(build_dir, sources)
         lib = build_dir / f"{name}.so"
         digest_file = build_dir / f"{name}.so.sha256"
