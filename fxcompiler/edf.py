@@ -50,6 +50,7 @@ import os
 import shutil
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -364,6 +365,16 @@ def _check_compiler() -> None:
         raise EdfCompileError(f"edf supertasks need a C++ compiler for AOTInductor; {cxx!r} is not on PATH. {hint}")
 
 
+def _temp_beside(path: Path) -> Path:
+    """A temporary name beside ``path`` for an atomic write: ``.tmp-<pid>-<name>``, the form
+    :func:`~fxcompiler.integrity.remove_stale_temps` removes once its writer is gone (left behind when a
+    writer is killed mid-compilation), which it is asked to do here first."""
+    from .integrity import remove_stale_temps
+
+    remove_stale_temps(path.parent, ".tmp-")
+    return path.with_name(f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}-{path.name}")
+
+
 def compile_package(gm: torch.fx.GraphModule, path: str | os.PathLike, device: torch.device | str = "cpu",
                     *, name: str = "", extern: tuple[str, ...] | None = None) -> Path:
     """Export ``gm`` (the fxc ops named in ``extern`` — default :func:`extern_ops` — kept as
@@ -381,7 +392,7 @@ def compile_package(gm: torch.fx.GraphModule, path: str | os.PathLike, device: t
         raise
     except Exception as exc:
         raise EdfCompileError(f"edf: torch.export of blob {label} failed: {type(exc).__name__}: {exc}") from exc
-    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{PACKAGE_SUFFIX}")
+    tmp = _temp_beside(path)
     try:
         torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp),
                                                  inductor_configs=dict(INDUCTOR_OPTIONS) or None)
@@ -696,7 +707,7 @@ def deserialize(data: bytes, key: str, cache_dir: str | os.PathLike | None = Non
     if path.is_file() and not path.is_symlink() and _sha256_of(path) == digest:
         return EdfPackage(str(path), key, device_type)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.stem}.tmp-{os.getpid()}{PACKAGE_SUFFIX}")
+    tmp = _temp_beside(path)
     tmp.write_bytes(data)
     os.replace(tmp, path)
     _record(path)

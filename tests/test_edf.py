@@ -425,3 +425,26 @@ def test_to_edf_pipelines_rejects_bad_num_workers():
     for bad in (0, -1, True, 1.5):
         with pytest.raises(ValueError, match="num_workers"):
             to_edf_pipelines([], None, num_workers=bad)
+
+
+def test_a_killed_writers_temporary_package_is_removed_by_the_next_write(tmp_path):
+    """Packages are written to ``.tmp-<pid>-...`` and renamed; one left by a writer that died mid-write is
+    removed by the next write into the folder (the cache-size pruning never counts dot names)."""
+    import hashlib
+    import subprocess
+    import sys
+
+    from fxcompiler.edf import deserialize
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    folder = tmp_path / "edf"
+    folder.mkdir()
+    stale = folder / f".tmp-{gone}-0123abcd-{'0' * 64}.pt2"
+    stale.write_bytes(b"half a package")
+    data = b"package bytes"
+    key = hashlib.sha256(b"key").hexdigest()
+    package = deserialize(data, key, tmp_path)
+    assert Path(package.path).read_bytes() == data and Path(package.path).name == f"{key}.pt2"
+    assert not stale.exists()
+    assert not [p for p in folder.iterdir() if p.name.startswith(".tmp-")]
