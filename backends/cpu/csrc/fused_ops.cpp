@@ -206,19 +206,27 @@ void rms_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, c10::BFloat16
   });
 }
 
-// Greedy pick over fp32 logits rows: the first index of the maximum (NaN counts as the maximum, as in
-// torch.max) and its log-probability max - logsumexp(row) = -log(sum(exp(x - max))).
-void greedy_rows_f32(const float* x, int64_t rows, int64_t V, int64_t* tok, float* lp) {
+// Greedy pick over fp32 or bf16 logits rows: the first index of the maximum (NaN counts as the maximum, as in
+// torch.max) and its log-probability max - logsumexp(row) = -log(sum(exp(x - max))).  bf16 values are widened
+// to fp32 exactly on load, so a bf16 row gives the bits its fp32 upcast gives (a bf16 checkpoint run in its own
+// dtype returns bf16 logits: no [B, V] fp32 copy before the pick).
+inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_row16(const c10::BFloat16* p) { return bf16_load(p, static_cast<__mmask16>(0xFFFF)); }
+inline float widen(float v) { return v; }
+inline float widen(c10::BFloat16 v) { return static_cast<float>(v); }
+
+template <typename T>
+void greedy_rows(const T* x, int64_t rows, int64_t V, int64_t* tok, float* lp) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* xr = x + r * V;
+      const T* xr = x + r * V;
       __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
       __m512i vidx = _mm512_setzero_si512(), cur = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
       __mmask16 nan = 0;
       const __m512i step = _mm512_set1_epi32(16);
       int64_t i = 0;
       for (; i + 16 <= V; i += 16) {
-        const __m512 v = _mm512_loadu_ps(xr + i);
+        const __m512 v = load_row16(xr + i);
         nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
         const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax, _CMP_GT_OQ);
         vmax = _mm512_mask_mov_ps(vmax, gt, v);
@@ -238,15 +246,16 @@ void greedy_rows_f32(const float* x, int64_t rows, int64_t V, int64_t* tok, floa
             arg = mi[l];
           }
       for (int64_t t = i; t < V; ++t) {
-        if (std::isnan(xr[t])) nan = 1;
-        if (arg < 0 || xr[t] > best) {
-          best = xr[t];
+        const float v = widen(xr[t]);
+        if (std::isnan(v)) nan = 1;
+        if (arg < 0 || v > best) {
+          best = v;
           arg = t;
         }
       }
       if (nan) {
         for (int64_t t = 0; t < V; ++t)
-          if (std::isnan(xr[t])) { arg = t; break; }
+          if (std::isnan(widen(xr[t]))) { arg = t; break; }
         tok[r] = arg;
         lp[r] = std::numeric_limits<float>::quiet_NaN();
         continue;
@@ -258,9 +267,9 @@ void greedy_rows_f32(const float* x, int64_t rows, int64_t V, int64_t* tok, floa
       }
       const __m512 vm = _mm512_set1_ps(best);
       __m512 vs = _mm512_setzero_ps();
-      for (i = 0; i + 16 <= V; i += 16) vs = _mm512_add_ps(vs, fxc::exp512(_mm512_sub_ps(_mm512_loadu_ps(xr + i), vm)));
+      for (i = 0; i + 16 <= V; i += 16) vs = _mm512_add_ps(vs, fxc::exp512(_mm512_sub_ps(load_row16(xr + i), vm)));
       double s = _mm512_reduce_add_ps(vs);
-      for (; i < V; ++i) s += std::exp(static_cast<double>(xr[i]) - best);
+      for (; i < V; ++i) s += std::exp(static_cast<double>(widen(xr[i])) - best);
       lp[r] = static_cast<float>(-std::log(s));
     }
   });
@@ -405,12 +414,16 @@ torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin
 std::tuple<torch::Tensor, torch::Tensor> fxc_greedy_logprob_cpu(torch::Tensor logits) {
   TORCH_CHECK(logits.dim() == 2, "fxc::greedy_logprob: logits must be [B, V], got ", logits.sizes());
 #ifdef __AVX512F__
-  if (logits.scalar_type() == at::kFloat && logits.size(1) > 0) {
+  const bool bf16 = logits.scalar_type() == at::kBFloat16;
+  if ((logits.scalar_type() == at::kFloat || bf16) && logits.size(1) > 0) {
     auto x = logits.contiguous();
     const int64_t B = x.size(0), V = x.size(1);
     auto tok = torch::empty({B}, x.options().dtype(at::kLong));
-    auto lp = torch::empty({B}, x.options());
-    greedy_rows_f32(x.data_ptr<float>(), B, V, tok.data_ptr<int64_t>(), lp.data_ptr<float>());
+    auto lp = torch::empty({B}, x.options().dtype(at::kFloat));
+    if (bf16)
+      greedy_rows(x.data_ptr<c10::BFloat16>(), B, V, tok.data_ptr<int64_t>(), lp.data_ptr<float>());
+    else
+      greedy_rows(x.data_ptr<float>(), B, V, tok.data_ptr<int64_t>(), lp.data_ptr<float>());
     return {tok, lp};
   }
 #endif
