@@ -308,27 +308,41 @@ void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, in
           const char* vb = reinterpret_cast<const char*>(g.vc + row_blocks[blk] * g.block_stride);
           for (int64_t t = 0; t < cnt; ++t) prefetch_l2(vb + (t0 + t) * row_bytes + h * seg_bytes, seg_bytes);
         }
-        for (int64_t gg = 0; gg < G; ++gg) {
-          const float* qh = q + (h * G + gg) * D;
-          __m512 qv[DV];
-          for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(qh + 16 * i);
-          __m512 P[16];
+        // The 16 rows' scores for each query head of the group: P[t] = q . k_t, one transpose-add tree.
+        auto group_scores = [&](auto&& krow, int64_t kstride) {
+          for (int64_t gg = 0; gg < G; ++gg) {
+            const float* qh = q + (h * G + gg) * D;
+            __m512 qv[DV];
+            for (int i = 0; i < DV; ++i) qv[i] = _mm512_loadu_ps(qh + 16 * i);
+            __m512 P[16];
 #pragma GCC unroll 16
-          for (int t = 0; t < 16; ++t) {
-            const T* kr = rows + std::min<int64_t>(t, cnt - 1) * g.tok_stride + h * D;
-            __m512 s0 = _mm512_mul_ps(qv[0], load16(kr));
-            if constexpr (DV >= 2) {
-              __m512 s1 = _mm512_mul_ps(qv[1], load16(kr + 16));
-              for (int i = 2; i < DV; i += 2) {
-                s0 = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), s0);
-                s1 = _mm512_fmadd_ps(qv[i + 1], load16(kr + 16 * i + 16), s1);
+            for (int t = 0; t < 16; ++t) {
+              const auto* kr = krow + std::min<int64_t>(t, cnt - 1) * kstride;
+              __m512 s0 = _mm512_mul_ps(qv[0], load16(kr));
+              if constexpr (DV >= 2) {
+                __m512 s1 = _mm512_mul_ps(qv[1], load16(kr + 16));
+                for (int i = 2; i < DV; i += 2) {
+                  s0 = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), s0);
+                  s1 = _mm512_fmadd_ps(qv[i + 1], load16(kr + 16 * i + 16), s1);
+                }
+                s0 = _mm512_add_ps(s0, s1);
               }
-              s0 = _mm512_add_ps(s0, s1);
+              P[t] = s0;
             }
-            P[t] = s0;
+            _mm512_mask_storeu_ps(scores + (h * G + gg) * n + col, mk, fxc::sum16(P));
           }
-          _mm512_mask_storeu_ps(scores + (h * G + gg) * n + col, mk, fxc::sum16(P));
+        };
+        if constexpr (!std::is_same_v<T, float>) {
+          if (G > 1) {  // widen the rows once (exactly) for every query head of the group, not once per head
+            alignas(64) float kw[16 * D];
+            for (int64_t t = 0; t < cnt; ++t)
+              for (int i = 0; i < DV; ++i)
+                _mm512_store_ps(kw + t * D + 16 * i, load16(rows + t * g.tok_stride + h * D + 16 * i));
+            group_scores(static_cast<const float*>(kw), D);
+            continue;
+          }
         }
+        group_scores(rows + h * D, g.tok_stride);
       }
     }
   }
