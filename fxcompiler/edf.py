@@ -41,14 +41,12 @@ package bytes for artifacts.
 """
 from __future__ import annotations
 
-import atexit
 import copy
 import dataclasses
 import hashlib
 import importlib
 import os
 import shutil
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -405,15 +403,11 @@ def compile_package(gm: torch.fx.GraphModule, path: str | os.PathLike, device: t
     return path
 
 
-_TEMP_DIRS: list[str] = []
-
-
 def _default_cache_dir() -> Path:
     """Packages of a conversion without a cache_dir: a process-lifetime temporary directory."""
-    if not _TEMP_DIRS:
-        _TEMP_DIRS.append(tempfile.mkdtemp(prefix="fxcompiler-edf-"))
-        atexit.register(shutil.rmtree, _TEMP_DIRS[0], True)
-    return Path(_TEMP_DIRS[0])
+    from .integrity import process_temp_dir
+
+    return process_temp_dir("fxcompiler-edf-")
 
 
 def package_dir(cache_dir: str | os.PathLike | None) -> Path:

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -319,3 +320,33 @@ def remove_stale_temps(root: str | os.PathLike, prefix: str, *, legacy_age_s: fl
             shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink(missing_ok=True)
             removed.append(d)
     return removed
+
+
+_process_dirs: dict[tuple[str, int], Path] = {}  # (prefix, pid) -> that process's folder
+_process_dirs_lock = threading.Lock()
+
+
+def _remove_process_dir(pid: int, root: Path) -> None:
+    if os.getpid() == pid:  # not in a forked child that inherited the exit handler
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def process_temp_dir(prefix: str) -> Path:
+    """This process's temporary folder ``<tmp>/<prefix><pid>-*`` for what a build writes without a cache dir
+    (GGUF and pre-quantised conversions, edf packages: hundreds of MB each): made once per process and prefix,
+    removed at exit; the folders of the same prefix whose process died without removing theirs are removed
+    when it is made (:func:`remove_stale_temps`)."""
+    import atexit
+    import tempfile
+
+    pid = os.getpid()
+    with _process_dirs_lock:
+        root = _process_dirs.get((prefix, pid))
+        if root is None or not root.is_dir():
+            remove_stale_temps(tempfile.gettempdir(), prefix)
+            root = Path(tempfile.mkdtemp(prefix=f"{prefix}{pid}-"))
+            _process_dirs[(prefix, pid)] = root
+            atexit.register(_remove_process_dir, pid, root)
+        return root

@@ -424,7 +424,12 @@ def convert_quant_checkpoint(ckpt: str | os.PathLike, model_dir: str | os.PathLi
                   and f.name not in ("qformat.yaml", "qparam.safetensors")]
     digest = _digest(files + meta_files)
     digest = hashlib.sha256(f"{digest}:{act_dtype}".encode()).hexdigest()[:16]
-    root = Path(tempfile.mkdtemp(prefix="fxcompiler-qckpt-")) if cache_dir is None else Path(cache_dir) / "models"
+    if cache_dir is None:  # once per process, removed at exit (it holds the unpacked weights)
+        from .integrity import process_temp_dir
+
+        root = process_temp_dir("fxcompiler-qckpt-")
+    else:
+        root = Path(cache_dir) / "models"
     target = root / f"qckpt-{digest}" / meta_dir.name
     if cache_dir is not None:
         from .cache_limits import mark_used

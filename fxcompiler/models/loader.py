@@ -10,14 +10,12 @@ random weights; ``hf_overrides`` patch the config first.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import logging
 import os
 import shutil
 import tempfile
-import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,31 +67,13 @@ def _safe_name(model_id: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "--" for c in model_id)
 
 
-_TEMP_PREFIX = "fxcompiler-gguf-"
-_temp_root: dict[int, Path] = {}  # pid -> this process's conversion folder (no cache dir)
-_temp_lock = threading.Lock()
-
-
-def _remove_own_temp_root(pid: int, root: Path) -> None:
-    if os.getpid() == pid:  # not in a forked child that inherited the exit handler
-        shutil.rmtree(root, ignore_errors=True)
-
-
 def temp_conversion_root() -> Path:
     """This process's folder for GGUF conversions without a cache dir (``<tmp>/fxcompiler-gguf-<pid>-*``): each
-    holds a dequantised model (0.5 GB for SmolLM2 in fp32), so it is made once per process and removed at exit,
-    and the folders of processes that died without removing theirs are removed when it is made."""
-    from ..integrity import remove_stale_temps
+    holds a dequantised model (0.5 GB for SmolLM2 in fp32), so it is made once per process and removed at exit
+    (:func:`fxcompiler.integrity.process_temp_dir`)."""
+    from ..integrity import process_temp_dir
 
-    pid = os.getpid()
-    with _temp_lock:
-        root = _temp_root.get(pid)
-        if root is None or not root.is_dir():
-            remove_stale_temps(tempfile.gettempdir(), _TEMP_PREFIX)
-            root = Path(tempfile.mkdtemp(prefix=f"{_TEMP_PREFIX}{pid}-"))
-            _temp_root[pid] = root
-            atexit.register(_remove_own_temp_root, pid, root)
-        return root
+    return process_temp_dir("fxcompiler-gguf-")
 
 
 def convert_gguf(gguf: Path, model_id: str, cache_dir: str | os.PathLike | None) -> Path:

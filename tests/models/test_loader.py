@@ -51,6 +51,7 @@ def test_conversion_without_a_cache_dir_is_made_once_and_removed_at_exit(tmp_pat
 
 
 def test_a_dead_process_conversion_folder_goes_when_the_next_one_is_made(tmp_path, monkeypatch):
+    from fxcompiler import integrity
     from fxcompiler.models import loader
 
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -60,12 +61,12 @@ def test_a_dead_process_conversion_folder_goes_when_the_next_one_is_made(tmp_pat
     live = tmp_path / f"fxcompiler-gguf-{os.getppid()}-def"  # a process that is still running: kept
     live.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(loader, "_temp_root", {})
+    monkeypatch.setattr(integrity, "_process_dirs", {})
     root = loader.temp_conversion_root()
     try:
         assert not stale.exists() and live.is_dir()
         assert root.parent == tmp_path and root.name.startswith(f"fxcompiler-gguf-{os.getpid()}-")
         assert loader.temp_conversion_root() == root  # once per process
     finally:
-        loader._remove_own_temp_root(os.getpid(), root)
+        integrity._remove_process_dir(os.getpid(), root)
     assert not root.exists()
