@@ -613,12 +613,7 @@ class LLM:
         for the cache size limit's recency (fxcompiler/cache_limits.py)."""
         from .cache_limits import touch_mapped
 
-        roots = [self.cache_dir]
-        if self._device.type == "cpu":
-            from backends.cpu._build import cache_root
-
-            roots.append(cache_root())
-        touch_mapped(roots)
+        touch_mapped([self.cache_dir, default_cache_dir()])  # the kernels live in the process-wide default
 
     def _start(self, skip_engine: bool, enable_prefix_caching: bool, kv_cache_sharing_across_beams_config,
                replicas: int | None = None) -> None:

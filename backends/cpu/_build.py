@@ -2,7 +2,7 @@
 
 The library is compiled on first use with :func:`torch.utils.cpp_extension.load`
 into ``$FXCOMPILER_CACHE_DIR/kernels/<name>`` (default
-``~/.cache/fxcompiler/kernels/<name>``), where ``<name>`` encodes the ISA and a
+``$XDG_CACHE_HOME/fxcompiler/kernels/<name>``, else ``~/.cache/...``), where ``<name>`` encodes the ISA and a
 hash of the sources' contents, the compile flags and the torch version, so a changed
 source or a different machine never reuses a stale binary. The sources are built from
 a copy inside that folder, so two checkouts of the same code share one build.
@@ -69,9 +69,11 @@ def detect_isa() -> str:
 
 
 def cache_root() -> Path:
-    """``$FXCOMPILER_CACHE_DIR``, default ``~/.cache/fxcompiler`` (kernel builds, autotuning results)."""
-    base = os.environ.get("FXCOMPILER_CACHE_DIR")
-    return Path(base) if base else Path.home() / ".cache" / "fxcompiler"
+    """The process-wide cache folder (kernel builds, autotuning results): the one ``LLM`` defaults to,
+    ``$FXCOMPILER_CACHE_DIR``, else ``$XDG_CACHE_HOME/fxcompiler``, else ``~/.cache/fxcompiler``."""
+    from fxcompiler.cache_limits import default_cache_dir
+
+    return default_cache_dir()
 
 
 def cache_dir() -> Path:
