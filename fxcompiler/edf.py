@@ -161,6 +161,9 @@ def _references(keep: tuple[str, ...] | frozenset[str] = ()) -> dict[Any, Any]:
                                     else lin.linear_w8_add_aten),
         ops.linear_f8f8.default: f8lin.linear_f8f8_composite,  # row quantization inlined, linear_f8 kept
         ops.linear_by_m.default: lin.linear_by_m_dense,
+        ops.linear_add.default: lin.linear_add_reference if "linear" in keep else lin.linear_add_aten,
+        ops.linear_by_m_add.default: (lin.linear_by_m_add_reference if "linear_by_m" in keep  # calls the op
+                                      else lin.linear_by_m_add_dense),
         ops.moe.default: moe.moe_reference,  # the batched gather of the selected experts, inlined
         ops.embedding_w8.default: qemb.embedding_w8_reference,  # only the gathered rows dequantised
         ops.embedding_w4.default: qemb.embedding_w4_reference,

@@ -30,7 +30,7 @@ import torch
 from .model_zoo import ZOO, zoo_config, zoo_names
 
 FUSION_PASSES = ("fuse_rms_norm", "fuse_silu_mul", "fuse_rope", "fuse_projections", "lower_cpu_kernels",
-                 "fuse_qkv_attention")
+                 "fuse_linear_silu_mul", "fuse_linear_add", "fuse_qkv_attention")
 _COUNT_KEYS = {"fuse_projections": "fused_groups", "lower_cpu_kernels": "lowered"}
 BEGIN, END = "<!-- support-table:begin -->", "<!-- support-table:end -->"
 

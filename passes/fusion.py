@@ -14,8 +14,9 @@
 * ``fuse_linear_silu_mul``: ``fxc::silu_mul`` of the halves of a fused gate/up ``fxc::linear_w4a8`` or
   ``fxc::linear_w8`` becomes one ``fxc::linear_w4a8_silu_mul`` / ``fxc::linear_w8_silu_mul`` (the product in the
   linear's epilogue); runs after ``quantize``.
-* ``fuse_linear_add``: ``residual + fxc::linear_w4a8(...)`` (or ``fxc::linear_w8``) becomes one
-  ``fxc::linear_w4a8_add`` / ``fxc::linear_w8_add`` (the sum in the linear's output loop); runs after ``quantize``.
+* ``fuse_linear_add``: ``residual + fxc::linear_w4a8(...)`` (or ``fxc::linear_w8``, ``fxc::linear_w4``, and the
+  float32 / bfloat16 ``fxc::linear`` and ``fxc::linear_by_m``) becomes one ``fxc::<op>_add`` (the sum in the linear's
+  output loop); runs after ``quantize`` and ``lower_cpu_kernels``.
 
 * ``fuse_qkv_attention``: the heads of a fused q/k/v projection (``split_with_sizes`` → ``view`` →
   ``permute``), the rotary embedding of q and k (``fxc::rope``), ``fxc::paged_attention`` and the
@@ -37,7 +38,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 import fxcompiler.ops.fused  # noqa: F401  (defines fxc::rms_norm / fxc::silu_mul / fxc::rope)
-from fxcompiler.ops.linear import NB  # (and defines fxc::linear_w8_silu_mul / fxc::linear_w8_add)
+from fxcompiler.ops.linear import NB  # (and defines fxc::linear_w8_silu_mul / fxc::linear_w8_add / fxc::linear_add)
 import fxcompiler.ops.quant_linear  # noqa: F401  (defines fxc::linear_w4_silu_mul / fxc::linear_w4_add)
 from fxcompiler.ops.w4a8_linear import NB4  # (and defines fxc::linear_w4a8_silu_mul / fxc::linear_w4a8_add)
 from fxcompiler.pass_manager import CompileContext, PassRequirements, PassResult, register_pass
@@ -255,25 +256,30 @@ def _heads_of(node, split: Node | None):
 
 @dataclass(frozen=True)
 class _EpilogueFusion:
-    """A linear op and its fused variants: where ``n`` sits in its arguments, the panel width its gate/up halves
-    must be whole multiples of, and whether bf16 activations fuse (else the fused op would only run the two ops)."""
+    """A linear op and its fused variants (``silu_mul`` None: none): where ``n`` sits in its arguments and how many
+    it takes, the panel width its gate/up halves must be whole multiples of, and whether bf16 activations fuse
+    (else the fused op would only run the two ops). The fused add takes the residual just before ``n``."""
 
-    silu_mul: object
+    silu_mul: object | None
     add: object
     n_arg: int
-    panel: int
-    bf16_silu: bool
+    nargs: int
+    panel: int = NB
+    bf16_silu: bool = False
 
 
 def _epilogue_fusions() -> dict:
     ops = torch.ops.fxc
     return {
         ops.linear_w4a8.default: _EpilogueFusion(ops.linear_w4a8_silu_mul.default, ops.linear_w4a8_add.default,
-                                                 n_arg=5, panel=NB4, bf16_silu=False),
+                                                 n_arg=5, nargs=7, panel=NB4, bf16_silu=False),
         ops.linear_w8.default: _EpilogueFusion(ops.linear_w8_silu_mul.default, ops.linear_w8_add.default,
-                                               n_arg=4, panel=NB, bf16_silu=True),
+                                               n_arg=4, nargs=6, panel=NB, bf16_silu=True),
         ops.linear_w4.default: _EpilogueFusion(ops.linear_w4_silu_mul.default, ops.linear_w4_add.default,
-                                               n_arg=5, panel=NB, bf16_silu=True),
+                                               n_arg=5, nargs=7, panel=NB, bf16_silu=True),
+        # the float32 / bfloat16 linears of lower_cpu_kernels: the residual add only
+        ops.linear.default: _EpilogueFusion(None, ops.linear_add.default, n_arg=3, nargs=4),
+        ops.linear_by_m.default: _EpilogueFusion(None, ops.linear_by_m_add.default, n_arg=5, nargs=7),
     }
 
 
@@ -314,7 +320,7 @@ class FuseLinearSiluMulPass:
         lin, sizes = split.args[0], split.args[1]
         dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
         f = fusions.get(lin.target) if isinstance(lin, Node) and lin.op == "call_function" else None
-        if f is None or len(lin.users) != 1 or lin.kwargs:
+        if f is None or f.silu_mul is None or len(lin.users) != 1 or lin.kwargs:
             return None
         lv = _val(lin)
         n = lin.args[f.n_arg]
@@ -329,12 +335,12 @@ class FuseLinearSiluMulPass:
 
 @register_pass("fuse_linear_add")
 class FuseLinearAddPass:
-    """``residual + fxc::linear_w4a8(...)`` or ``residual + fxc::linear_w8(...)`` (``aten.add.Tensor`` of the linear,
-    used by nothing else, and a tensor of its shape and dtype) becomes one ``fxc::linear_w4a8_add`` /
-    ``fxc::linear_w8_add``: the sum formed in the linear's output loop, bit for bit the two ops (each layer's o_proj
-    and down_proj with their residual adds: one dispatch fewer each)."""
+    """``residual + lin(...)`` (``aten.add.Tensor`` of the linear, used by nothing else, and a tensor of its shape and
+    dtype), ``lin`` one of ``fxc::linear_w4a8`` / ``linear_w8`` / ``linear_w4`` / ``linear`` / ``linear_by_m``, becomes
+    one ``fxc::<lin>_add``: the sum formed in the linear's output loop, bit for bit the two ops (each layer's o_proj
+    and down_proj with their residual adds: one dispatch and one pass over the output fewer each)."""
 
-    requires = PassRequirements(after=("quantize",))
+    requires = PassRequirements(after=("quantize", "lower_cpu_kernels"))
 
     def __call__(self, gm: GraphModule, ctx: CompileContext) -> PassResult:
         graph, fused, fusions = gm.graph, 0, _epilogue_fusions()
@@ -357,7 +363,7 @@ class FuseLinearAddPass:
             return None
         for lin, other in (add.args, add.args[::-1]):
             f = fusions.get(lin.target) if isinstance(lin, Node) and lin.op == "call_function" else None
-            if f is None or len(lin.users) != 1 or lin.kwargs or len(lin.args) != f.n_arg + 2 \
+            if f is None or len(lin.users) != 1 or lin.kwargs or len(lin.args) != f.nargs \
                     or not isinstance(other, Node):
                 continue
             lv, ov, av = _val(lin), _val(other), _val(add)

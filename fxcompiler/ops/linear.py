@@ -24,11 +24,17 @@ int group_size)``
     ``fxc::silu_mul`` of the halves of ``fxc::linear_w8(...)`` with ``n = 2H``, ``H`` a multiple of 32 (a fused
     gate/up projection and its product as one op; decode rows never write the ``2H``-wide intermediate), bit for
     bit the graph it replaces. Both are emitted by ``passes/fusion.py`` after ``quantize``.
+``fxc::linear_add(Tensor x, Tensor w_packed, Tensor? bias, Tensor residual, int n) -> Tensor``
+    ``residual + fxc::linear(...)`` as one op (the sum formed in the linear's output loop), bit for bit the two ops;
+    emitted by ``passes/fusion.py`` (``fuse_linear_add``) like ``fxc::linear_w8_add``.
 ``fxc::linear_by_m(Tensor x, Tensor w_packed, Tensor w_dense, bool w_kn, Tensor? bias, int n, int[] fxc_m) -> Tensor``
     the per-M-range choice of ``passes/lower_cpu_kernels``: with ``M = x.numel() / K`` rows inside one of the
     inclusive ranges ``fxc_m = [lo0, hi0, lo1, hi1, ...]`` (``hi = -1``: unbounded) it is ``fxc::linear(x,
     w_packed, bias, n)``; otherwise the ATen op it replaced on the unpacked weight ``w_dense`` (``[K, N]``
     with ``w_kn``: ``x @ w_dense (+ bias)``; else ``[N, K]``: ``F.linear``). A node holds both layouts.
+``fxc::linear_by_m_add(Tensor x, Tensor w_packed, Tensor w_dense, bool w_kn, Tensor? bias, Tensor residual, int n,
+int[] fxc_m) -> Tensor``
+    ``residual + fxc::linear_by_m(...)``: ``fxc::linear_add`` in the fxc ranges, the ATen op and an add elsewhere.
 
 Layouts (``NB = 32`` output columns per panel, ``P = ceil(N / 32)``, tail zero padded; each panel
 is contiguous, so a kernel thread streams its panels once):
@@ -65,6 +71,8 @@ __all__ = [
     "check_silu_mul_width", "silu_mul_out",
     "pack_linear_weight", "quantize_linear_weight_int8",
     "set_cpu_kernel_loader", "unpack_linear_weight", "linear_by_m", "linear_by_m_reference", "m_in_ranges",
+    "linear_add", "linear_add_aten", "linear_add_reference", "linear_by_m_add", "linear_by_m_add_dense",
+    "linear_by_m_add_reference",
 ]
 
 NB = 32  # output columns per panel
@@ -79,6 +87,9 @@ _lib.define("linear_w8_silu_mul(Tensor x, Tensor w_int8_packed, Tensor scales, T
             "-> Tensor")
 _lib.define("linear_by_m(Tensor x, Tensor w_packed, Tensor w_dense, bool w_kn, Tensor? bias, int n, int[] fxc_m) "
             "-> Tensor")
+_lib.define("linear_add(Tensor x, Tensor w_packed, Tensor? bias, Tensor residual, int n) -> Tensor")
+_lib.define("linear_by_m_add(Tensor x, Tensor w_packed, Tensor w_dense, bool w_kn, Tensor? bias, Tensor residual, "
+            "int n, int[] fxc_m) -> Tensor")
 
 
 # ---------------------------------------------------------------------------
@@ -257,6 +268,17 @@ def _linear_by_m_fake(x, w_packed, w_dense, w_kn, bias, n, fxc_m):
     return x.new_empty(_out_shape(x, n))
 
 
+@torch.library.register_fake("fxc::linear_add", lib=_lib)
+def _linear_add_fake(x, w_packed, bias, residual, n):
+    return check_residual("fxc::linear_add", _linear_fake(x, w_packed, bias, n), residual)
+
+
+@torch.library.register_fake("fxc::linear_by_m_add", lib=_lib)
+def _linear_by_m_add_fake(x, w_packed, w_dense, w_kn, bias, residual, n, fxc_m):
+    y = _linear_by_m_fake(x, w_packed, w_dense, w_kn, bias, n, fxc_m)
+    return check_residual("fxc::linear_by_m_add", y, residual)
+
+
 # ---------------------------------------------------------------------------
 # ATen references (every device)
 # ---------------------------------------------------------------------------
@@ -320,6 +342,26 @@ def linear_by_m_reference(x, w_packed, w_dense, w_kn, bias, n, fxc_m):
     return linear_by_m_dense(x, w_packed, w_dense, w_kn, bias, n, fxc_m)
 
 
+def linear_add_reference(x, w_packed, bias, residual, n):
+    """``residual + fxc::linear(x, ...)``: the graph ``fxc::linear_add`` replaces."""
+    return residual + torch.ops.fxc.linear.default(x, w_packed, bias, n)
+
+
+def linear_add_aten(x, w_packed, bias, residual, n):
+    """``fxc::linear_add`` in ATen ops only (edf off the CPU)."""
+    return residual + linear_reference(x, w_packed, bias, n)
+
+
+def linear_by_m_add_reference(x, w_packed, w_dense, w_kn, bias, residual, n, fxc_m):
+    """``residual + fxc::linear_by_m(...)``: the graph ``fxc::linear_by_m_add`` replaces."""
+    return residual + torch.ops.fxc.linear_by_m.default(x, w_packed, w_dense, w_kn, bias, n, fxc_m)
+
+
+def linear_by_m_add_dense(x, w_packed, w_dense, w_kn, bias, residual, n, fxc_m):
+    """``fxc::linear_by_m_add`` with the ATen op for every M (what a kind that rewrites fxc ops to ATen traces)."""
+    return residual + linear_by_m_dense(x, w_packed, w_dense, w_kn, bias, n, fxc_m)
+
+
 _cpu_kernel_loader: Callable[[], bool] | None = None
 _reentry = threading.local()
 
@@ -357,12 +399,18 @@ _lib.impl("linear_w8_add", _composite(torch.ops.fxc.linear_w8_add.default, linea
 _lib.impl("linear_w8_silu_mul", _composite(torch.ops.fxc.linear_w8_silu_mul.default, linear_w8_silu_mul_reference),
           "CompositeExplicitAutograd")
 
-# No loader step: the reference calls fxc::linear, whose first CPU call loads the library (which registers
-# the C++ kernel of this op too).
+_lib.impl("linear_add", _composite(torch.ops.fxc.linear_add.default, linear_add_reference),
+          "CompositeExplicitAutograd")
+
+# No loader step: the references call fxc::linear, whose first CPU call loads the library (which registers
+# the C++ kernels of these ops too).
 _lib.impl("linear_by_m", linear_by_m_reference, "CompositeExplicitAutograd")
+_lib.impl("linear_by_m_add", linear_by_m_add_reference, "CompositeExplicitAutograd")
 
 linear = torch.ops.fxc.linear.default
 linear_by_m = torch.ops.fxc.linear_by_m.default
+linear_add = torch.ops.fxc.linear_add.default
+linear_by_m_add = torch.ops.fxc.linear_by_m_add.default
 linear_w8 = torch.ops.fxc.linear_w8.default
 linear_w8_add = torch.ops.fxc.linear_w8_add.default
 linear_w8_silu_mul = torch.ops.fxc.linear_w8_silu_mul.default

@@ -1494,31 +1494,48 @@ void prepare_common(Prepared& pr, const at::Tensor& x, int64_t Kp, int64_t n, in
   }
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n) {
-  TORCH_CHECK(w.device().is_cpu() && x.device().is_cpu(), "fxc::linear: CPU tensors expected");
-  TORCH_CHECK(w.is_contiguous(), "fxc::linear: packed weight must be contiguous");
+// residual ([..., n], x's dtype) for the output loop to add (store_row_vec / store_row): the graph's
+// `residual + linear(x)`, bit for bit.  The contiguous copy it may make is kept in rc for the call.
+void set_residual(Prepared& pr, const at::Tensor& x, const at::Tensor& residual, at::Tensor& rc, const char* op) {
+  TORCH_CHECK(residual.sizes() == pr.out.sizes() && residual.scalar_type() == x.scalar_type(), op,
+              ": residual must be ", x.scalar_type(), " ", pr.out.sizes(), " (the output's shape), got ",
+              residual.scalar_type(), " ", residual.sizes());
+  rc = residual.contiguous();
+  if (x.scalar_type() == at::kFloat)
+    pr.pb.res_f = rc.data_ptr<float>();
+  else
+    pr.pb.res_h = rc.data_ptr<c10::BFloat16>();
+}
+
+// fxc::linear's body; residual: fxc::linear_add (the sum formed in the output loop), else null.
+at::Tensor linear_impl(const char* op, const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                       int64_t n, const at::Tensor* residual) {
+  TORCH_CHECK(w.device().is_cpu() && x.device().is_cpu(), op, ": CPU tensors expected");
+  TORCH_CHECK(w.is_contiguous(), op, ": packed weight must be contiguous");
   const int64_t K = x.size(-1);
   Kind kind;
   int64_t Kp;
   if (w.scalar_type() == at::kFloat) {
     TORCH_CHECK(w.dim() == 3 && w.size(1) == K && w.size(2) == NB,
-                "fxc::linear: fp32 packed weight must be [P, K, 32] with K=", K, ", got ", w.sizes());
+                op, ": fp32 packed weight must be [P, K, 32] with K=", K, ", got ", w.sizes());
     kind = Kind::F32;
     Kp = K;
   } else if (w.scalar_type() == at::kBFloat16) {
     TORCH_CHECK(w.dim() == 4 && w.size(1) == (K + 1) / 2 && w.size(2) == NB && w.size(3) == 2,
-                "fxc::linear: bf16 packed weight must be [P, ceil(K/2), 32, 2] with K=", K, ", got ", w.sizes());
+                op, ": bf16 packed weight must be [P, ceil(K/2), 32, 2] with K=", K, ", got ", w.sizes());
     kind = Kind::BF16;
     Kp = 2 * w.size(1);
   } else {
-    TORCH_CHECK(false, "fxc::linear: packed weight must be float32 or bfloat16, got ", w.scalar_type());
+    TORCH_CHECK(false, op, ": packed weight must be float32 or bfloat16, got ", w.scalar_type());
   }
   Prepared pr;
   const bool amx = kind == Kind::BF16 && K > 0 && amx_eligible(x.numel() / K, 0);
   // bf16 weights and bf16 x without AMX: VDPBF16PS (reads x in place, like the AMX path)
   const bool dot = !amx && kind == Kind::BF16 && x.scalar_type() == at::kBFloat16 && K > 0 &&
                    bf16dot_eligible(x.numel() / K);
-  prepare_common(pr, x, Kp, n, w.size(0), bias, "fxc::linear", amx || dot);
+  prepare_common(pr, x, Kp, n, w.size(0), bias, op, amx || dot);
+  at::Tensor rc;
+  if (residual != nullptr) set_residual(pr, x, *residual, rc, op);
   if (pr.pb.M == 0) return pr.out;
   pr.pb.w = w.data_ptr();
   if (amx)
@@ -1528,6 +1545,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   else
     run(pr.pb, kind);
   return pr.out;
+}
+
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, int64_t n) {
+  return linear_impl("fxc::linear", x, w, bias, n, nullptr);
+}
+
+// fxc::linear_add: residual + linear(x, ...) with the sum formed in the linear's epilogue (a layer's o_proj /
+// down_proj and its residual add as one op), bit for bit the two ops, on every path (FMA, AMX, VDPBF16PS, AVX2).
+at::Tensor linear_add(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                      const at::Tensor& residual, int64_t n) {
+  return linear_impl("fxc::linear_add", x, w, bias, n, &residual);
 }
 
 // linear_w8's body.  residual ([..., n], x's dtype): added to each output as the graph's `residual + linear(x)`
@@ -1559,16 +1587,7 @@ at::Tensor w8_linear(const char* op, const at::Tensor& x, const at::Tensor& w, c
     pr.pb.ngroups = K / group_size;
   }
   at::Tensor rc;
-  if (residual != nullptr) {
-    TORCH_CHECK(residual->sizes() == pr.out.sizes() && residual->scalar_type() == x.scalar_type(), op,
-                ": residual must be ", x.scalar_type(), " ", pr.out.sizes(), " (the output's shape), got ",
-                residual->scalar_type(), " ", residual->sizes());
-    rc = residual->contiguous();
-    if (x.scalar_type() == at::kFloat)
-      pr.pb.res_f = rc.data_ptr<float>();
-    else
-      pr.pb.res_h = rc.data_ptr<c10::BFloat16>();
-  }
+  if (residual != nullptr) set_residual(pr, x, *residual, rc, op);
   if (silu) {
     std::vector<int64_t> osz(x.sizes().begin(), x.sizes().end());
     osz.back() = n / 2;
@@ -1633,6 +1652,15 @@ at::Tensor linear_w8_silu_mul(const at::Tensor& x, const at::Tensor& w, const at
   return silu_mul.call(y.narrow(-1, 0, H), y.narrow(-1, H, H));
 }
 
+// The ATen op fxc::linear_by_m replaced, on the dense weight: [K, N] with w_kn, x @ W (+ bias); else [N, K],
+// F.linear.
+at::Tensor linear_dense(const at::Tensor& x, const at::Tensor& w_dense, bool w_kn,
+                        const std::optional<at::Tensor>& bias) {
+  if (!w_kn) return at::linear(x, w_dense, bias);
+  at::Tensor y = at::matmul(x, w_dense);
+  return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
+}
+
 // fxc::linear_by_m: the per-M-range choice of passes/lower_cpu_kernels, made per call from M = numel / K
 // (fxc_m: inclusive [lo, hi] pairs, hi = -1 unbounded, where fxc::linear wins; elsewhere the ATen op it
 // replaced, on the dense weight: [K, N] with w_kn, x @ W (+ bias); else [N, K], F.linear).
@@ -1642,9 +1670,24 @@ at::Tensor linear_by_m(const at::Tensor& x, const at::Tensor& w_packed, const at
   const int64_t M = K > 0 ? x.numel() / K : 0;
   for (size_t i = 0; i + 1 < fxc_m.size(); i += 2)
     if (M >= fxc_m[i] && (fxc_m[i + 1] < 0 || M <= fxc_m[i + 1])) return linear(x, w_packed, bias, n);
-  if (!w_kn) return at::linear(x, w_dense, bias);
-  at::Tensor y = at::matmul(x, w_dense);
-  return bias.has_value() && bias->defined() ? at::add(y, *bias) : y;
+  return linear_dense(x, w_dense, w_kn, bias);
+}
+
+// fxc::linear_by_m_add: residual + linear_by_m(...): in fxc::linear's M ranges the sum is formed in its epilogue
+// (fxc::linear_add), elsewhere the ATen op and one add; bit for bit the two ops either way.
+at::Tensor linear_by_m_add(const at::Tensor& x, const at::Tensor& w_packed, const at::Tensor& w_dense, bool w_kn,
+                           const std::optional<at::Tensor>& bias, const at::Tensor& residual, int64_t n,
+                           at::IntArrayRef fxc_m) {
+  const int64_t K = x.size(-1);
+  const int64_t M = K > 0 ? x.numel() / K : 0;
+  for (size_t i = 0; i + 1 < fxc_m.size(); i += 2)
+    if (M >= fxc_m[i] && (fxc_m[i + 1] < 0 || M <= fxc_m[i + 1]))
+      return linear_impl("fxc::linear_by_m_add", x, w_packed, bias, n, &residual);
+  const at::Tensor y = linear_dense(x, w_dense, w_kn, bias);
+  TORCH_CHECK(residual.sizes() == y.sizes() && residual.scalar_type() == y.scalar_type(),
+              "fxc::linear_by_m_add: residual must be ", y.scalar_type(), " ", y.sizes(),
+              " (the output's shape), got ", residual.scalar_type(), " ", residual.sizes());
+  return at::add(residual, y);
 }
 
 }  // namespace
@@ -1656,6 +1699,8 @@ TORCH_LIBRARY_IMPL(fxc, CPU, m) {
   m.impl("linear_w8_add", &fxc::linear_w8_add);
   m.impl("linear_w8_silu_mul", &fxc::linear_w8_silu_mul);
   m.impl("linear_by_m", &fxc::linear_by_m);
+  m.impl("linear_add", &fxc::linear_add);
+  m.impl("linear_by_m_add", &fxc::linear_by_m_add);
 }
 
 // The ISA this library was compiled for, queried from Python via ctypes.
