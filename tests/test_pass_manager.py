@@ -130,3 +130,36 @@ def test_verify_env_variable(monkeypatch):
     monkeypatch.setenv("FXCOMPILER_VERIFY_PASSES", "sometimes")
     with pytest.raises(ValueError, match="FXCOMPILER_VERIFY_PASSES"):
         verify_instruments_from_env()
+
+
+def test_a_pass_key_holds_its_source_read_once_per_pass(monkeypatch):
+    """``get_pass`` keys a registered pass on its name, options and source (the compile cache's key), and reads the
+    source once per registered factory (``inspect.getsource`` of a class parses its whole module)."""
+    import inspect
+
+    from fxcompiler import pass_manager as pm
+
+    def make(k):
+        class P:
+            def __init__(self, **options):
+                self.options = options
+
+            def __call__(self, gm, ctx):
+                return pm.PassResult(gm, False, {"k": k})
+        return P
+
+    class Q:
+        def __call__(self, gm, ctx):
+            return pm.PassResult(gm, True, {})
+
+    reads = []
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: reads.append(obj) or real(obj))
+    first = make(1)
+    monkeypatch.setitem(pm.PASS_REGISTRY, "keyed_pass", first)
+    a = pm.get_pass("keyed_pass").cache_key
+    assert pm.get_pass("keyed_pass").cache_key == a and reads == [first]  # read once
+    assert pm.get_pass("keyed_pass", x=1).cache_key != a  # options are in the key
+    monkeypatch.setitem(pm.PASS_REGISTRY, "keyed_pass", Q)  # another body under the same name
+    b = pm.get_pass("keyed_pass").cache_key
+    assert b != a and a.startswith("keyed_pass:{}:") and b.startswith("keyed_pass:{}:") and reads == [first, Q]
