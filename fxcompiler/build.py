@@ -215,9 +215,9 @@ def compile_program(request: ProgramRequest, loaded, *, device: torch.device, ca
         t1 = time.perf_counter()
         cache.store(key, gm, ctx, extra={"model_id": request.model_id})
         info["store_seconds"] = time.perf_counter() - t1
-        from .pipeline_builder import release_free_memory
+        from .pipeline_builder import release_free_memory, weight_bytes
 
-        release_free_memory()  # the serialised program's buffers
+        release_free_memory(weight_bytes(ctx.params))  # the serialised program's buffers
     info["seconds"] = time.perf_counter() - t0
     return gm, ctx, info
 
@@ -239,7 +239,10 @@ def _captured(request: ProgramRequest, loaded, device: torch.device, cache_dir):
                       trust_remote_code=request.trust_remote_code)
     captured = capture(loaded.model.to(device), block_size=request.block_size)
     loaded.model = None  # the captured program owns the weights now; passes free what they replace
-    gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
+    from .pipeline_builder import GC_MIN_WEIGHT_BYTES, weight_bytes
+
+    if weight_bytes(captured.params) >= GC_MIN_WEIGHT_BYTES:
+        gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
     if cache is not None:
         cache.store_captured(key, captured)
         captured.info["capture_cache"] = "miss"
@@ -291,9 +294,9 @@ def build(program: tuple[torch.fx.GraphModule, CompileContext], model_name: str,
         for p in result.pipelines:
             p.param_files = {k: info for k in p.param_files}
     if result.build_cache != "hit":  # built (and stored): the transient graphs, records and buffers back to the OS
-        from .pipeline_builder import release_free_memory
+        from .pipeline_builder import release_free_memory, weight_bytes
 
-        release_free_memory()
+        release_free_memory(weight_bytes(result.params))
     log.info("build: %.1fs", time.perf_counter() - t0)
     return result
 

@@ -153,3 +153,24 @@ def test_malformed_compact_records_name_the_fault():
     other_schema["pipelines"][0]["version"] = "9.0"
     with pytest.raises(ValueError, match="pipeline schema 9.0"):
         pipelines_from_compact(other_schema)
+
+
+def test_release_free_memory_collects_only_for_weights_worth_it(monkeypatch):
+    """A full garbage collection (0.3-0.5 s with torch and transformers loaded) runs when the build's weights are at
+    least GC_MIN_WEIGHT_BYTES or unknown; the heap is trimmed either way. weight_bytes counts a shared storage once."""
+    import gc
+
+    import torch
+
+    from fxcompiler import pipeline_builder as pb
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda *a: calls.append("gc") or 0)
+    monkeypatch.setattr(pb, "trim_heap", lambda: calls.append("trim"))
+    pb.release_free_memory(pb.GC_MIN_WEIGHT_BYTES - 1)
+    assert calls == ["trim"]
+    pb.release_free_memory(pb.GC_MIN_WEIGHT_BYTES)
+    pb.release_free_memory()
+    assert calls == ["trim", "gc", "trim", "gc", "trim"]
+    w = torch.zeros(4, 8)
+    assert pb.weight_bytes({"a": w, "a_t": w.t(), "row": w[1], "b": torch.zeros(3, dtype=torch.bfloat16)}) == 4 * 32 + 6
