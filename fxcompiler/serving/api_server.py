@@ -36,6 +36,21 @@ from .tool_streaming import ToolCallStreamer
 log = logging.getLogger("fxcompiler.serving")
 
 
+class ClosingStreamingResponse(StreamingResponse):
+    """A ``StreamingResponse`` that closes its body iterator however the response ends. Under ASGI 2.4 (uvicorn
+    0.55) Starlette ends a stream whose client went away by raising ``ClientDisconnect`` out of its ``async for``
+    without closing the generator, which then finishes (and aborts its request) only when the cyclic garbage
+    collector reaches it: seconds later, or never before the request has generated all its tokens."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
 # The page loads nothing from elsewhere: scripts and styles are inline, requests go to this server only.
 _PAGE_CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; "
              "img-src 'self' data:; base-uri 'none'; form-action 'none'")
@@ -236,7 +251,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         created = int(time.time())
         n = req.n
         if req.stream:
-            return StreamingResponse(stream_completion(gens, rid, created, req, n), media_type="text/event-stream")
+            return ClosingStreamingResponse(stream_completion(gens, rid, created, req, n),
+                                            media_type="text/event-stream")
         return await until_disconnect(request, full_completion(gens, rid, created, req, n))
 
     async def full_completion(gens, rid, created, req, n):
@@ -353,7 +369,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(stream_chat(gens, rid, created, req, tools_mode, tool_choice),
+            return ClosingStreamingResponse(stream_chat(gens, rid, created, req, tools_mode, tool_choice),
                                      media_type="text/event-stream")
         return await until_disconnect(request, full_chat(gens, rid, created, req, tools_mode, tool_choice))
 
