@@ -6,7 +6,6 @@ This is the only module of ``fxcompiler`` that imports ``backends`` and ``runtim
 """
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -239,10 +238,9 @@ def _captured(request: ProgramRequest, loaded, device: torch.device, cache_dir):
                       trust_remote_code=request.trust_remote_code)
     captured = capture(loaded.model.to(device), block_size=request.block_size)
     loaded.model = None  # the captured program owns the weights now; passes free what they replace
-    from .pipeline_builder import GC_MIN_WEIGHT_BYTES, weight_bytes
+    from .pipeline_builder import collect_cycles, weight_bytes
 
-    if weight_bytes(captured.params) >= GC_MIN_WEIGHT_BYTES:
-        gc.collect()  # transformers modules hold reference cycles; free the model before the passes run
+    collect_cycles(weight_bytes(captured.params))  # free the model (transformers' cycles) before the passes run
     if cache is not None:
         cache.store_captured(key, captured)
         captured.info["capture_cache"] = "miss"

@@ -112,14 +112,19 @@ def weight_bytes(params: dict[str, torch.Tensor]) -> int:
     return sum(seen.values())
 
 
-def release_free_memory(nbytes: int | None = None) -> None:
-    """Hand freed heap pages back to the OS (glibc keeps them after the passes' churn), after a full garbage
-    collection (transformers modules and fx graphs hold reference cycles) when the build's weights (``nbytes``;
-    None: unknown) are at least :data:`GC_MIN_WEIGHT_BYTES`."""
+def collect_cycles(nbytes: int | None = None) -> None:
+    """A full garbage collection (transformers modules and fx graphs hold reference cycles) when the build's weights
+    (``nbytes``; None: unknown) are at least :data:`GC_MIN_WEIGHT_BYTES`."""
     import gc
 
     if nbytes is None or nbytes >= GC_MIN_WEIGHT_BYTES:
         gc.collect()
+
+
+def release_free_memory(nbytes: int | None = None) -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them after the passes' churn), after
+    :func:`collect_cycles`."""
+    collect_cycles(nbytes)
     trim_heap()
 
 
