@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -399,10 +400,28 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+def _local_rank_0(torchrun_pid: int) -> int:
+    """The worker torchrun ``torchrun_pid`` started as LOCAL_RANK 0: its child with that variable
+    (pids wrap around in a long run, so the lowest descendant pid need not be that worker)."""
+    found = []
+    for pid in _descendants(torchrun_pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == torchrun_pid and b"LOCAL_RANK=0" in env:
+            found.append(pid)
+    assert len(found) == 1, (torchrun_pid, found)
+    return found[0]
+
+
 def _kill_rank_mid_generation(procs, node: int):
-    """Wait until rank 0 generates, SIGKILL the rank worker of ``node`` (its torchrun's first child);
-    returns the kill time, the worker pids of both nodes, and a thread collecting rank 0's output
-    lines with their time after the kill."""
+    """Wait until rank 0 generates, SIGKILL the rank worker of ``node`` (its torchrun's LOCAL_RANK 0);
+    returns the kill time, the worker pids of both nodes (the killed one first), and a thread
+    collecting rank 0's output lines with their time after the kill."""
     line = ""
     while "generating" not in line:
         line = procs[0].stdout.readline()
@@ -411,7 +430,10 @@ def _kill_rank_mid_generation(procs, node: int):
     workers = [sorted(_descendants(p.pid)) for p in procs]
     assert all(workers), workers
     lines: list[tuple[float, str]] = []
-    os.kill(workers[node][0], signal.SIGKILL)
+    victim = _local_rank_0(procs[node].pid)
+    workers[node].remove(victim)
+    workers[node].insert(0, victim)  # the killed worker first
+    os.kill(victim, signal.SIGKILL)
     t0 = time.monotonic()
 
     def read():
@@ -430,7 +452,11 @@ def test_torchrun_a_killed_rank_is_named_within_10_s_and_every_process_exits(tin
     try:
         t0, workers, lines, reader = _kill_rank_mid_generation(procs, node=1)
         for p in procs:
-            p.wait(timeout=60)
+            try:
+                p.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("torchrun did not exit 60 s after the kill; rank 0 printed:\n"
+                                     + "".join(f"{t:6.1f} {ln}" for t, ln in lines)[-6000:]) from None
         reader.join(5)
         named = [(t, ln) for t, ln in lines if "WorkerError: rank 1 (" in ln and "stopped its heartbeat" in ln]
         assert named, "".join(ln for _, ln in lines)[-3000:]
