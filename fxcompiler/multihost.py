@@ -48,6 +48,7 @@ from typing import Any, Callable
 import torch
 
 from .mppp import ParallelPlan, PlanError
+from .ops.collectives import abort_collectives, clear_collectives_abort
 
 HEARTBEAT_S = float(os.environ.get("FXCOMPILER_HEARTBEAT_INTERVAL", "0.5"))
 DEAD_AFTER_S = float(os.environ.get("FXCOMPILER_HEARTBEAT_TIMEOUT", "4"))
@@ -214,6 +215,7 @@ class TorchrunPeers:
             if self.failure is not None:
                 return
             self.failure = self._WorkerError(f"{verdict}; every other rank was shut down")
+        abort_collectives(self.failure)  # a step in a collective with the dead rank raises it
         try:
             store.set("abort", verdict)  # the other ranks' heartbeat threads exit their processes
             for _d, key in list(self._awaiting):
@@ -303,14 +305,30 @@ class TorchrunPeers:
             pass
         finally:
             if dist.is_initialized():
-                try:
-                    dist.destroy_process_group()
-                except Exception:  # noqa: BLE001 - a dead peer's group
-                    pass
+                if self.failure is None:
+                    try:
+                        dist.destroy_process_group()
+                    except Exception:  # noqa: BLE001 - a peer died after the last step
+                        pass
+                else:
+                    _abandon_process_groups()
             self.shard.shutdown()
 
     def pids(self) -> list[int]:
         return []
+
+
+def _abandon_process_groups() -> None:
+    """Keep this process's c10d groups alive to its end, never destroyed: after a rank died, a
+    gloo thread may still wait in a send to it until the group's timeout, and destroying the group
+    (``destroy_process_group``, or the interpreter's exit dropping the last reference) joins that
+    thread, so rank 0 would outlive the failure by minutes."""
+    import ctypes
+
+    import torch.distributed.distributed_c10d as c10d
+
+    for pg in list(c10d._world.pg_map):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(pg))
 
 
 def _replica_kv(plans: list[dict], plan: ParallelPlan) -> list[dict]:
@@ -336,6 +354,7 @@ def start_torchrun(plan: ParallelPlan, llm_kwargs: dict[str, Any]):
 
     env = torchrun_env()
     check_world(plan, env["world"])
+    clear_collectives_abort()
     world = env["world"]
     if llm_kwargs.get("artifacts_export_path") is not None and plan.dp > 1:
         raise NotImplementedError(f"artifacts_export_path with data_parallel_size={plan.dp} under torchrun: "

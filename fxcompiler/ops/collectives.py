@@ -12,8 +12,16 @@ kernel here (every device) is torch's functional collectives (``_c10d_functional
 which is also the multi-host path. A backend may register a faster kernel under its dispatch
 key: the CPU backend's shared-memory all-reduce (``backends/cpu/comm.py``) serves groups that
 joined a shared-memory segment and falls back to the same functional collectives otherwise.
+
+On CPU the references wait for their c10d work in slices, so that :func:`abort_collectives`
+(torchrun's rank 0, once its watch declared a peer dead: ``fxcompiler/multihost.py``) ends a
+wait that gloo would not end itself: its ring all-reduce can stay in a send to a killed peer's
+closed connection until the process group's timeout (minutes), although gloo notices the closed
+connection in most cases.
 """
 from __future__ import annotations
+
+from datetime import timedelta
 
 import torch
 
@@ -32,16 +40,71 @@ def _all_gather_fake(x, world, group):
     return x.new_empty((x.shape[0] * world, *x.shape[1:]))
 
 
+_aborted: list[BaseException] = []  # set: every CPU collective of this process raises it
+WAIT_SLICE = timedelta(seconds=0.25)
+
+
+def abort_collectives(error: BaseException) -> None:
+    """From now on every CPU collective of this process that waits, or starts, raises ``error``
+    (its c10d work is abandoned: the job's process groups are unusable after a peer died)."""
+    _aborted[:] = [error]
+
+
+def clear_collectives_abort() -> None:
+    """Undo :func:`abort_collectives` (a new job in this process)."""
+    _aborted.clear()
+
+
+def _raise_if_aborted() -> None:
+    if _aborted:
+        raise _aborted[0]
+
+
+def wait_work(work) -> None:
+    """Wait for a c10d work; between slices of :data:`WAIT_SLICE`, raise the error given to
+    :func:`abort_collectives` if it was called. The work's own error (a closed connection, gloo's
+    timeout) is raised as it is."""
+    while True:
+        _raise_if_aborted()
+        try:
+            work.wait(WAIT_SLICE)
+            return
+        except RuntimeError:
+            if work.is_completed():  # failed, not a slice that ran out
+                raise
+
+
+def _group(name: str):
+    import torch.distributed.distributed_c10d as c10d
+
+    return c10d._resolve_process_group(name)
+
+
 def all_reduce_reference(x: torch.Tensor, group: str) -> torch.Tensor:
-    """Sum over the process group ``group`` through torch's functional collectives (c10d)."""
-    c10d = torch.ops._c10d_functional
-    return c10d.wait_tensor.default(c10d.all_reduce.default(x.contiguous(), "sum", group))
+    """Sum over the process group ``group``: c10d's all-reduce on CPU (gloo), waited for with
+    :func:`wait_work`; torch's functional collectives elsewhere."""
+    if x.device.type != "cpu":
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor.default(c10d.all_reduce.default(x.contiguous(), "sum", group))
+    import torch.distributed as dist
+
+    _raise_if_aborted()
+    out = x.clone(memory_format=torch.contiguous_format)  # x is not modified
+    wait_work(dist.all_reduce(out, op=dist.ReduceOp.SUM, group=_group(group), async_op=True))
+    return out
 
 
 def all_gather_reference(x: torch.Tensor, world: int, group: str) -> torch.Tensor:
-    """Dim-0 concatenation over the process group ``group`` (functional collectives)."""
-    c10d = torch.ops._c10d_functional
-    return c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(x.contiguous(), world, group))
+    """Dim-0 concatenation over the process group ``group`` (as :func:`all_reduce_reference`)."""
+    if x.device.type != "cpu":
+        c10d = torch.ops._c10d_functional
+        return c10d.wait_tensor.default(c10d.all_gather_into_tensor.default(x.contiguous(), world, group))
+    import torch.distributed as dist
+
+    _raise_if_aborted()
+    out = x.new_empty((x.shape[0] * world, *x.shape[1:]))
+    wait_work(dist.all_gather_single(out, x.contiguous(), group=_group(group), async_op=True))
+    return out
 
 
 _lib.impl("all_reduce", all_reduce_reference, "CompositeExplicitAutograd")
@@ -73,7 +136,11 @@ def _pp_recv_fake(ids, hidden, dtype, src):
 def pp_send_reference(x: torch.Tensor, dst: int) -> torch.Tensor:
     import torch.distributed as dist
 
-    dist.send(x.contiguous(), dst)
+    if x.device.type != "cpu":
+        dist.send(x.contiguous(), dst)
+    else:
+        _raise_if_aborted()
+        wait_work(dist.isend(x.contiguous(), dst))
     return x.new_empty((0,))
 
 
@@ -81,7 +148,11 @@ def pp_recv_reference(ids: torch.Tensor, hidden: int, dtype: torch.dtype, src: i
     import torch.distributed as dist
 
     out = torch.empty((*ids.shape, hidden), dtype=dtype, device=ids.device)
-    dist.recv(out, src)
+    if out.device.type != "cpu":
+        dist.recv(out, src)
+    else:
+        _raise_if_aborted()
+        wait_work(dist.irecv(out, src))
     return out
 
 
