@@ -1010,13 +1010,15 @@ bool bf16dot_usable() {
 }
 
 // Rows [m0, m0 + MR) x panel p: x pairs [M][Q] (row stride ldq pairs), the panel's Q pair steps.
+// w: the panel's pairs [Q][32][2] (the packed bf16 weight's panel p, or an int8 panel converted by
+// int8_panel_pairs).
 template <int MR>
-FXC_BF16_TARGET __attribute__((noinline)) void dot_panel(const Problem& pb, const uint32_t* __restrict xq, int64_t ldq,
-                                                         int64_t Q, int64_t p, int64_t m0) {
+FXC_BF16_TARGET __attribute__((noinline)) void dot_panel(const Problem& pb, const uint16_t* __restrict w,
+                                                         const uint32_t* __restrict xq, int64_t ldq, int64_t Q,
+                                                         int64_t p, int64_t m0) {
   __m512 acc[MR][2];
 #pragma GCC unroll 16
   for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-  const uint16_t* w = static_cast<const uint16_t*>(pb.w) + p * (pb.Kp * NB);
   const uint32_t* x = xq + m0 * ldq;
   for (int64_t q = 0; q < Q; ++q) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + q * 2 * NB));
@@ -1038,13 +1040,34 @@ constexpr int kDotMR = 12;  // rows per register block (24 accumulators)
 int64_t g_dot_xbytes = 192 * 1024;  // activation bytes per row group (L2: 1-2 MB per core); FXC_TUNE: settable
 
 template <int MR>
-void dot_dispatch(int mr, const Problem& pb, const uint32_t* xq, int64_t ldq, int64_t Q, int64_t p, int64_t m0) {
+void dot_dispatch(int mr, const Problem& pb, const uint16_t* w, const uint32_t* xq, int64_t ldq, int64_t Q, int64_t p,
+                  int64_t m0) {
   if constexpr (MR >= 1) {
     if (mr == MR) {
-      dot_panel<MR>(pb, xq, ldq, Q, p, m0);
+      dot_panel<MR>(pb, w, xq, ldq, Q, p, m0);
       return;
     }
-    dot_dispatch<MR - 1>(mr, pb, xq, ldq, Q, p, m0);
+    dot_dispatch<MR - 1>(mr, pb, w, xq, ldq, Q, p, m0);
+  }
+}
+
+// An int8 panel [K][32] as bf16 pairs [Q][32][2] (Q = ceil(K/2), an odd K's last pair padded with 0), the
+// layout dot_panel reads. Exact: an integer of at most 8 bits is a float whose low 16 bits are zero, so its
+// bf16 is the float's high half. The column scales are applied in the output store, as on the AMX path.
+FXC_BF16_TARGET void int8_panel_pairs(const int8_t* __restrict w, int64_t K, int64_t Q, uint16_t* __restrict out) {
+  const __m512i hi = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  auto widen = [](const int8_t* src) {
+    return _mm512_castps_si512(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))));
+  };
+  for (int64_t q = 0; q < Q; ++q) {
+    const int8_t* r0 = w + 2 * q * NB;
+    const bool odd_tail = 2 * q + 1 >= K;
+    for (int h = 0; h < 2; ++h) {
+      const __m512i a = widen(r0 + 16 * h);
+      const __m512i b = odd_tail ? _mm512_setzero_si512() : widen(r0 + NB + 16 * h);
+      _mm512_storeu_si512(reinterpret_cast<void*>(out + q * 2 * NB + h * NB),
+                          _mm512_or_si512(_mm512_srli_epi32(a, 16), _mm512_and_si512(b, hi)));
+    }
   }
 }
 
@@ -1052,10 +1075,11 @@ constexpr int64_t kDotMinM = 5;  // fewer rows: the multi-stream GEMV (memory bo
 
 bool bf16dot_eligible(int64_t M) { return M >= kDotMinM && bf16dot_usable(); }
 
-// bf16 weights, bf16 x (pb.xb, [M, K] contiguous).
-void run_bf16dot(const Problem& pb) {
+// bf16 weights, or int8 weights with per-column scales (int8_w: converted a panel at a time), bf16 x (pb.xb,
+// [M, K] contiguous).
+void run_bf16dot(const Problem& pb, bool int8_w) {
   static thread_local std::vector<uint16_t> s_pad;
-  const int64_t Q = pb.Kp / 2;
+  const int64_t Q = int8_w ? (pb.K + 1) / 2 : pb.Kp / 2;
   const uint32_t* xq;
   int64_t ldq = Q;
   if (pb.K % 2 == 0) {
@@ -1074,18 +1098,28 @@ void run_bf16dot(const Problem& pb) {
   // Row groups whose activations (~g_dot_xbytes) stay in L2 while the thread's panels pass by: each panel
   // is read once per group (from L2/L3 after the first), the activations once per panel from L2.
   // Activations that fit L2 beside a panel (<= 512 KB) are one group.
-  const int64_t group = pb.M * pb.Kp * 2 <= 512 * 1024
+  const int64_t group = pb.M * Q * 4 <= 512 * 1024
                             ? mb
-                            : std::max<int64_t>(1, g_dot_xbytes / std::max<int64_t>(1, mr_base * pb.Kp * 2));
+                            : std::max<int64_t>(1, g_dot_xbytes / std::max<int64_t>(1, mr_base * Q * 4));
   auto work = [&](int64_t p0, int64_t p1, int64_t r0, int64_t r1) {
+    static thread_local std::vector<uint16_t> s_panel;  // int8_w: the panel's bf16 pairs (K x 64 bytes)
+    if (int8_w) s_panel.resize(static_cast<size_t>(Q) * 2 * NB);
     for (int64_t g0 = r0; g0 < r1; g0 += group) {
       const int64_t g1 = std::min(r1, g0 + group);
-      for (int64_t p = p0; p < p1; ++p)
+      for (int64_t p = p0; p < p1; ++p) {
+        const uint16_t* w;
+        if (int8_w) {
+          int8_panel_pairs(static_cast<const int8_t*>(pb.w) + p * pb.K * NB, pb.K, Q, s_panel.data());
+          w = s_panel.data();
+        } else {
+          w = static_cast<const uint16_t*>(pb.w) + p * (pb.Kp * NB);
+        }
         for (int64_t rb = g0; rb < g1; ++rb) {
           const int64_t m0 = rb * mr_base;
           const int mr = static_cast<int>(std::min<int64_t>(mr_base, pb.M - m0));
-          dot_dispatch<kDotMR>(mr, pb, xq, ldq, Q, p, m0);
+          dot_dispatch<kDotMR>(mr, pb, w, xq, ldq, Q, p, m0);
         }
+      }
     }
   };
   // Threads split the panels (each weight byte read by one thread) when that balances; else the row blocks.
@@ -1098,7 +1132,7 @@ void run_bf16dot(const Problem& pb) {
 #else
 bool bf16dot_usable() { return false; }
 bool bf16dot_eligible(int64_t) { return false; }
-void run_bf16dot(const Problem&) {}
+void run_bf16dot(const Problem&, bool) {}
 #endif
 
 // --------------------------------------------------------------------------
@@ -1541,7 +1575,7 @@ at::Tensor linear_impl(const char* op, const at::Tensor& x, const at::Tensor& w,
   if (amx)
     run_amx(pr.pb, false);
   else if (dot)
-    run_bf16dot(pr.pb);
+    run_bf16dot(pr.pb, false);
   else
     run(pr.pb, kind);
   return pr.out;
@@ -1573,7 +1607,10 @@ at::Tensor w8_linear(const char* op, const at::Tensor& x, const at::Tensor& w, c
   Prepared pr;
   const bool per_channel = group_size <= 0 || group_size == K;
   const bool amx = !silu && K > 0 && amx_eligible(x.numel() / K, per_channel ? 0 : group_size);
-  prepare_common(pr, x, K, n, P, bias, op, amx);
+  // per-channel int8 weights and bf16 x without AMX: VDPBF16PS on each panel converted to bf16 pairs
+  const bool dot = !amx && !silu && per_channel && x.scalar_type() == at::kBFloat16 && K > 0 &&
+                   bf16dot_eligible(x.numel() / K);
+  prepare_common(pr, x, K, n, P, bias, op, amx || dot);
   if (per_channel) {
     TORCH_CHECK(scales.dim() == 1 && scales.size(0) == P * NB, op, ": per-channel scales must be [P*32], got ",
                 scales.sizes());
@@ -1605,6 +1642,8 @@ at::Tensor w8_linear(const char* op, const at::Tensor& x, const at::Tensor& w, c
 #endif
   if (amx)
     run_amx(pr.pb, true);
+  else if (dot)
+    run_bf16dot(pr.pb, true);
   else
     run(pr.pb, Kind::I8);
   return pr.out;

@@ -103,3 +103,45 @@ def test_rows_do_not_depend_on_m_or_blocking():
     first = torch.ops.fxc.linear(x[:5], wp, None, n)
     for m in (6, 13, 25, 64, 129, 300):
         assert torch.equal(torch.ops.fxc.linear(x[:m], wp, None, n)[:5], first)
+
+
+@SETTINGS
+@given(problems(), st.booleans(), st.booleans())
+def test_bf16dot_w8_per_channel_matches_dequantised_weights_and_the_fma_path(prob, with_bias, with_residual):
+    """Per-channel int8 weights (W8A16) take the path too: each panel converted to bf16 pairs (exact), the
+    column scales in the output store. Against float64 ATen on the dequantised weights, and against the FMA
+    path (the int8 weights widened to fp32) within the same bound as bf16 weights."""
+    m, k, n, seed = prob
+    w, x = _rand(n, k, seed=seed), _rand(m, k, seed=seed + 1, dtype=torch.bfloat16)
+    bias = _rand(n, seed=seed + 2) if with_bias else None
+    q, s = fxc.quantize_linear_weight_int8(w, -1)
+    wd = fxc.dequantize_linear_weight_int8(q, s, n, -1)
+    res = _rand(m, n, seed=seed + 3, dtype=torch.bfloat16) if with_residual else None
+    on = _build.set_bf16dot(True)
+    try:
+        if res is None:
+            y_dot = torch.ops.fxc.linear_w8(x, q, s, bias, n, -1)
+        else:
+            y_dot = torch.ops.fxc.linear_w8_add(x, q, s, bias, res, n, -1)
+        _build.set_bf16dot(False)
+        if res is None:
+            y_fma = torch.ops.fxc.linear_w8(x, q, s, bias, n, -1)
+        else:
+            y_fma = torch.ops.fxc.linear_w8_add(x, q, s, bias, res, n, -1)
+    finally:
+        _build.set_bf16dot(on)
+    if res is None:
+        _check(y_dot, x, wd.double(), bias)
+    absdot = x.double().abs() @ wd.double().abs().T + (bias.double().abs() if bias is not None else 0)
+    scale = y_fma.double().abs() + (res.double().abs() if res is not None else 0)
+    bound = 2.0**-7 * scale + 2e-4 * absdot + 1e-30
+    assert ((y_dot.double() - y_fma.double()).abs() <= bound).all()
+
+
+def test_bf16dot_w8_rows_do_not_depend_on_m():
+    k, n = 577, 96  # odd K: the last pair of each converted panel is padded
+    w, x = _rand(n, k, seed=3), _rand(129, k, seed=4, dtype=torch.bfloat16)
+    q, s = fxc.quantize_linear_weight_int8(w, -1)
+    first = torch.ops.fxc.linear_w8(x[:5], q, s, None, n, -1)
+    for m in (6, 13, 64, 129):
+        assert torch.equal(torch.ops.fxc.linear_w8(x[:m], q, s, None, n, -1)[:5], first)
