@@ -7,11 +7,12 @@ concatenated along dim 0 (rank order).
 
 They are ordinary dispatcher ops, so every executor runs them (the fx backend's native
 program, the Python plan, dfg); export and fake propagation see shapes only. The reference
-kernel here (every device) is torch's functional collectives (``_c10d_functional.all_reduce``
-/ ``all_gather_into_tensor`` + ``wait_tensor``) on the named group: gloo on CPU, NCCL on CUDA,
-which is also the multi-host path. A backend may register a faster kernel under its dispatch
-key: the CPU backend's shared-memory all-reduce (``backends/cpu/comm.py``) serves groups that
-joined a shared-memory segment and falls back to the same functional collectives otherwise.
+kernels here run c10d on the named group: on CPU (gloo, also the multi-host path)
+``dist.all_reduce`` / ``all_gather_single`` waited for in slices (below), on CUDA torch's
+functional collectives (``_c10d_functional`` + ``wait_tensor``, NCCL). A backend may register a
+faster kernel under its dispatch key: the CPU backend's shared-memory all-reduce
+(``backends/cpu/comm.py``) serves groups that joined a shared-memory segment and falls back to
+the functional collectives (in C++, without the slices) otherwise.
 
 On CPU the references wait for their c10d work in slices, so that :func:`abort_collectives`
 (torchrun's rank 0, once its watch declared a peer dead: ``fxcompiler/multihost.py``) ends a
