@@ -62,9 +62,10 @@ def _raise_if_aborted() -> None:
 
 
 def wait_work(work) -> None:
-    """Wait for a c10d work; between slices of :data:`WAIT_SLICE`, raise the error given to
-    :func:`abort_collectives` if it was called. The work's own error (a closed connection, gloo's
-    timeout) is raised as it is."""
+    """Wait for a c10d collective's work; between slices of :data:`WAIT_SLICE`, raise the error
+    given to :func:`abort_collectives` if it was called. The work's own error (a closed
+    connection, gloo's timeout) is raised as it is. Not for gloo's point-to-point works: their
+    timed wait is gloo's own, and the send or receive fails when it runs out."""
     while True:
         _raise_if_aborted()
         try:
@@ -137,11 +138,9 @@ def _pp_recv_fake(ids, hidden, dtype, src):
 def pp_send_reference(x: torch.Tensor, dst: int) -> torch.Tensor:
     import torch.distributed as dist
 
-    if x.device.type != "cpu":
-        dist.send(x.contiguous(), dst)
-    else:
+    if x.device.type == "cpu":
         _raise_if_aborted()
-        wait_work(dist.isend(x.contiguous(), dst))
+    dist.send(x.contiguous(), dst)  # not wait_work: a gloo send or recv whose timed wait runs out fails
     return x.new_empty((0,))
 
 
@@ -149,11 +148,9 @@ def pp_recv_reference(ids: torch.Tensor, hidden: int, dtype: torch.dtype, src: i
     import torch.distributed as dist
 
     out = torch.empty((*ids.shape, hidden), dtype=dtype, device=ids.device)
-    if out.device.type != "cpu":
-        dist.recv(out, src)
-    else:
+    if out.device.type == "cpu":
         _raise_if_aborted()
-        wait_work(dist.irecv(out, src))
+    dist.recv(out, src)
     return out
 
 
