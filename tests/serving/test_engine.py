@@ -132,7 +132,8 @@ def test_async_engine_streams_every_kind_and_aborts(llm, engine_args):
 def test_slow_consumer_does_not_hold_back_others(llm, engine_args):
     async def main():
         aeng = AsyncLLMEngine(LLMEngine(llm, engine_args))
-        slow = aeng.generate("while True:", greedy(max_tokens=40), "slow")
+        # long enough that it cannot finish before its first output is read (40 tokens did once, on a fast host)
+        slow = aeng.generate("while True:", greedy(max_tokens=110, ignore_eos=True), "slow")
         first = await slow.__anext__()  # then it stops reading while the others run to completion
         fast = [[o async for o in aeng.generate(p, greedy(max_tokens=20), f"f{i}")] for i, p in enumerate(PROMPTS)]
         steps_for_fast = aeng.steps
@@ -141,6 +142,7 @@ def test_slow_consumer_does_not_hold_back_others(llm, engine_args):
         return first, fast, rest, steps_for_fast
 
     first, fast, rest, steps = asyncio.run(main())
+    assert not first.finished, len(first.outputs[0].token_ids)
     assert all(f[-1].finished for f in fast)
     tokens = len(first.outputs[0].token_ids) + sum(len(o.outputs[0].token_ids) for o in rest)
     assert rest[-1].finished and len(rest) < tokens - len(first.outputs[0].token_ids)
