@@ -381,8 +381,8 @@ def test_torchrun_two_loopback_hosts_match_one_process(tiny_llama, tp_cache, ref
     assert got["comm"] == "gloo" and got["plan"]["tp"] == 2
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every live process below ``pid`` (from /proc)."""
+def _children_by_parent() -> dict[int, list[int]]:
+    """Every live process's pid under its parent's (from /proc)."""
     parents: dict[int, list[int]] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -392,6 +392,12 @@ def _descendants(pid: int) -> list[int]:
             except (OSError, ValueError, IndexError):
                 continue
             parents.setdefault(ppid, []).append(int(d))
+    return parents
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every live process below ``pid``."""
+    parents = _children_by_parent()
     out, todo = [], [pid]
     while todo:
         for c in parents.get(todo.pop(), []):
@@ -404,16 +410,13 @@ def _local_rank_0(torchrun_pid: int) -> int:
     """The worker torchrun ``torchrun_pid`` started as LOCAL_RANK 0: its child with that variable
     (pids wrap around in a long run, so the lowest descendant pid need not be that worker)."""
     found = []
-    for pid in _descendants(torchrun_pid):
+    for pid in _children_by_parent().get(torchrun_pid, []):
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{pid}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except (OSError, ValueError, IndexError):
+                if b"LOCAL_RANK=0" in f.read().split(b"\0"):
+                    found.append(pid)
+        except OSError:
             continue
-        if ppid == torchrun_pid and b"LOCAL_RANK=0" in env:
-            found.append(pid)
     assert len(found) == 1, (torchrun_pid, found)
     return found[0]
 
