@@ -250,6 +250,18 @@ void piece_generic(const Geo<scalar_t>& g, const acc_t* q, const int64_t* row_bl
 }
 
 #ifdef __AVX512F__
+// f(std::integral_constant<int, c>) for the run-time count c in 1 .. N.
+template <int N, class F>
+inline void with_count(int c, F&& f) {
+  if constexpr (N >= 1) {
+    if (c == N) {
+      f(std::integral_constant<int, N>{});
+      return;
+    }
+    with_count<N - 1>(c, std::forward<F>(f));
+  }
+}
+
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const int8_t* p) {  // int8 codes -> fp32 (exact)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -386,22 +398,36 @@ void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, in
     for (int64_t h = 0; h < Hkv; ++h) {
       for (int64_t g0 = 0; g0 < G; g0 += GMAX) {
         const int gn = static_cast<int>(std::min<int64_t>(GMAX, G - g0));
-        __m512 ac[GMAX][DV];
-        for (int gg = 0; gg < gn; ++gg)
-          for (int i = 0; i < DV; ++i) ac[gg][i] = _mm512_loadu_ps(acc + (h * G + g0 + gg) * D + 16 * i);
-        for (int64_t t = t0; t < t1; ++t) {
-          if (next && g0 == 0) prefetch_bytes(next + t * row_bytes + h * seg_bytes, seg_bytes);
-          if (next_k && g0 == 0) prefetch_l2(next_k + t * row_bytes + h * seg_bytes, seg_bytes);
-          const T* vr = base + t * g.tok_stride + h * D;
-          __m512 v[DV];
-          for (int i = 0; i < DV; ++i) v[i] = load16(vr + 16 * i);
-          for (int gg = 0; gg < gn; ++gg) {
-            const __m512 p = _mm512_set1_ps(scores[(h * G + g0 + gg) * n + col0 + t]);
-            for (int i = 0; i < DV; ++i) ac[gg][i] = _mm512_fmadd_ps(p, v[i], ac[gg][i]);
+        // gn query heads' accumulators over this block's tokens.  GN is a compile-time count so that they stay
+        // in registers: with a run-time bound GCC kept them on the stack, a store and a load per token.
+        auto run = [&](auto gn_c) {
+          constexpr int GN = decltype(gn_c)::value;
+          __m512 ac[GN][DV];
+#pragma GCC unroll 8
+          for (int gg = 0; gg < GN; ++gg)
+#pragma GCC unroll 8
+            for (int i = 0; i < DV; ++i) ac[gg][i] = _mm512_loadu_ps(acc + (h * G + g0 + gg) * D + 16 * i);
+          const float* sc = scores + (h * G + g0) * n + col0;
+          for (int64_t t = t0; t < t1; ++t) {
+            if (next && g0 == 0) prefetch_bytes(next + t * row_bytes + h * seg_bytes, seg_bytes);
+            if (next_k && g0 == 0) prefetch_l2(next_k + t * row_bytes + h * seg_bytes, seg_bytes);
+            const T* vr = base + t * g.tok_stride + h * D;
+            __m512 v[DV];
+#pragma GCC unroll 8
+            for (int i = 0; i < DV; ++i) v[i] = load16(vr + 16 * i);
+#pragma GCC unroll 8
+            for (int gg = 0; gg < GN; ++gg) {
+              const __m512 p = _mm512_set1_ps(sc[gg * n + t]);
+#pragma GCC unroll 8
+              for (int i = 0; i < DV; ++i) ac[gg][i] = _mm512_fmadd_ps(p, v[i], ac[gg][i]);
+            }
           }
-        }
-        for (int gg = 0; gg < gn; ++gg)
-          for (int i = 0; i < DV; ++i) _mm512_storeu_ps(acc + (h * G + g0 + gg) * D + 16 * i, ac[gg][i]);
+#pragma GCC unroll 8
+          for (int gg = 0; gg < GN; ++gg)
+#pragma GCC unroll 8
+            for (int i = 0; i < DV; ++i) _mm512_storeu_ps(acc + (h * G + g0 + gg) * D + 16 * i, ac[gg][i]);
+        };
+        with_count<GMAX>(gn, run);
       }
     }
   }
