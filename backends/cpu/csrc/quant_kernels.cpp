@@ -15,7 +15,8 @@
 // floats through a vpermps table (AVX-512); each thread walks its panels as up to 4 streams in lock step.
 // M > 4: each (row block, panel) task dequantises its panel into an fp32 [K, 32] tile (bit-exactly the
 // reference's values: built with -ffp-contract=off, multiply then add) and multiplies the rows
-// of x with it from L1/L2 with a register-blocked micro-kernel (4 rows x 32 columns). The weight is
+// of x with it from L1/L2 with a register-blocked micro-kernel (up to 12 rows x 32 columns on AVX-512, 4 on
+// AVX2). The weight is
 // streamed once per row block at 0.5 byte per value, which is what makes batch-1 decode faster
 // than fp32/bf16 weights.
 //
@@ -92,14 +93,22 @@ void dequant_panel(const uint8_t* w, const float* sc, const float* mn, int64_t K
   }
 }
 
-// acc[r][0..32) = sum_k x[r][k] * tile[k][.] for R rows
+#ifdef __AVX512F__
+constexpr int MRQ = 12;  // rows per micro-kernel call: 2 * MRQ accumulators of 32 zmm
+#else
+constexpr int MRQ = 4;   // 16 ymm
+#endif
+
+// acc[r][0..32) = sum_k x[r][k] * tile[k][.] for R rows.  Its own function (never inlined into a caller's
+// dispatch, where GCC may keep the accumulators on the stack); a row's sums do not depend on R.
 template <int R>
-inline void micro(const float* x, int64_t ldx, const float* tile, int64_t K, float* acc) {
+__attribute__((noinline)) void micro(const float* x, int64_t ldx, const float* tile, int64_t K, float* acc) {
 #if defined(FXC_AVX512)
   __m512 a[R][2];
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const __m512 t0 = _mm512_loadu_ps(tile + k * NB), t1 = _mm512_loadu_ps(tile + k * NB + 16);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
       a[r][0] = _mm512_fmadd_ps(xb, t0, a[r][0]);
@@ -124,6 +133,21 @@ inline void micro(const float* x, int64_t ldx, const float* tile, int64_t K, flo
   }
   std::memcpy(acc, a, sizeof(float) * R * NB);
 #endif
+}
+
+// micro<rows>(...) for 1 <= rows <= MRQ.
+template <int R = MRQ>
+inline void micro_rows(int rows, const float* x, int64_t ldx, const float* tile, int64_t K, float* acc) {
+  if constexpr (R >= 1) {
+    if (rows == R) return micro<R>(x, ldx, tile, K, acc);
+    micro_rows<R - 1>(rows, x, ldx, tile, K, acc);
+  }
+}
+
+// The row groups of the rows [r0, r1): balanced, at most MRQ each (64 rows: 6 groups of 11 and 10, not 16 of 4).
+inline int64_t row_group(int64_t r0, int64_t r1) {
+  const int64_t rows = r1 - r0, groups = (rows + MRQ - 1) / MRQ;
+  return (rows + groups - 1) / groups;
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -399,6 +423,26 @@ at::Tensor w4_linear(const char* op, const at::Tensor& x, const at::Tensor& w, c
   // one panel's rows [r0, r0 + rows) of results (acc: rows x 32) plus the bias (and the residual), in x's dtype
   auto emit = [&](int64_t p, int64_t r0, int rows, const float* acc) {
     const int64_t cols = std::min<int64_t>(NB, n - p * NB);
+#ifdef __AVX512F__
+    // the scalar loop of AVX2 builds, 16 columns at a time (the same operations in the same order)
+    for (int h = 0; h < NB; h += 16) {
+      const int64_t c = cols - h;
+      if (c <= 0) break;
+      const __mmask16 k = c >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << c) - 1);
+      const __m512 b = bf.empty() ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(k, bf.data() + p * NB + h);
+      for (int r = 0; r < rows; ++r) {
+        const int64_t base = (r0 + r) * n + p * NB + h;
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * NB + h), b);
+        if (out_bf16) {
+          if (rb != nullptr) v = _mm512_add_ps(fxc::bf16_r(v), fxc::bf16_load(rb + base, k));
+          fxc::bf16_store(ob + base, v, k);
+        } else {
+          if (rf != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(k, rf + base));
+          _mm512_mask_storeu_ps(of + base, k, v);
+        }
+      }
+    }
+#else
     for (int r = 0; r < rows; ++r) {
       const int64_t base = (r0 + r) * n + p * NB;
       for (int64_t j = 0; j < cols; ++j) {
@@ -411,6 +455,7 @@ at::Tensor w4_linear(const char* op, const at::Tensor& x, const at::Tensor& w, c
         }
       }
     }
+#endif
   };
   const int64_t Pn = (n + NB - 1) / NB;  // the panels that hold output columns
 #ifdef __AVX512F__
@@ -499,7 +544,7 @@ at::Tensor w4_linear(const char* op, const at::Tensor& x, const at::Tensor& w, c
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(static_cast<size_t>(K) * NB);
     std::vector<float> sm_buf(half_sm ? static_cast<size_t>(2 * G * NB) : 0);  // the tile's scales, mins
-    float acc[4 * NB];
+    float acc[MRQ * NB];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / Pn, p = t % Pn;  // panels inner: a thread's panels are adjacent
       const uint8_t* wpan = wp + p * (K / 2) * NB;
@@ -511,15 +556,10 @@ at::Tensor w4_linear(const char* op, const at::Tensor& x, const at::Tensor& w, c
       }
       dequant_panel(wpan, span, mpan, K, group_size, tile.data());
       const int64_t m_end = std::min(M, (mb + 1) * MB);
-      for (int64_t r0 = mb * MB; r0 < m_end; r0 += 4) {
-        const int rows = static_cast<int>(std::min<int64_t>(4, m_end - r0));
-        const float* xr = xp + r0 * K;
-        switch (rows) {
-          case 4: micro<4>(xr, K, tile.data(), K, acc); break;
-          case 3: micro<3>(xr, K, tile.data(), K, acc); break;
-          case 2: micro<2>(xr, K, tile.data(), K, acc); break;
-          default: micro<1>(xr, K, tile.data(), K, acc); break;
-        }
+      const int64_t step = row_group(mb * MB, m_end);
+      for (int64_t r0 = mb * MB; r0 < m_end; r0 += step) {
+        const int rows = static_cast<int>(std::min<int64_t>(step, m_end - r0));
+        micro_rows(rows, xp + r0 * K, K, tile.data(), K, acc);
         emit(p, r0, rows, acc);
       }
     }
@@ -653,7 +693,7 @@ void f8_matmul(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t
   const int64_t tasks = n_mb * P;
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> tile(direct ? 0 : static_cast<size_t>(K) * NB);
-    float acc[4 * NB];
+    float acc[MRQ * NB];
     for (int64_t t = begin; t < end; ++t) {
       const int64_t mb = t / P, p = t % P;  // panels inner: a thread's panels are adjacent
       const int64_t cols = std::min<int64_t>(NB, n - p * NB);
@@ -661,8 +701,10 @@ void f8_matmul(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t
       const uint8_t* wpan = wp + p * K * NB;
       if (!direct) upcast_panel_f8(wpan, K, tile.data());
       const int64_t m_end = direct ? M : std::min(M, (mb + 1) * MB);
-      for (int64_t r0 = direct ? 0 : mb * MB; r0 < m_end; r0 += 4) {
-        const int rows = static_cast<int>(std::min<int64_t>(4, m_end - r0));
+      const int64_t r_begin = direct ? 0 : mb * MB;
+      const int64_t step = direct ? 4 : row_group(r_begin, m_end);
+      for (int64_t r0 = r_begin; r0 < m_end; r0 += step) {
+        const int rows = static_cast<int>(std::min<int64_t>(step, m_end - r0));
         const float* xr = xp + r0 * K;
         if (direct) {
           switch (rows) {
@@ -672,12 +714,7 @@ void f8_matmul(const float* xp, int64_t M, int64_t K, const uint8_t* wp, int64_t
             default: micro_f8<1>(xr, K, wpan, K, acc); break;
           }
         } else {
-          switch (rows) {
-            case 4: micro<4>(xr, K, tile.data(), K, acc); break;
-            case 3: micro<3>(xr, K, tile.data(), K, acc); break;
-            case 2: micro<2>(xr, K, tile.data(), K, acc); break;
-            default: micro<1>(xr, K, tile.data(), K, acc); break;
-          }
+          micro_rows(rows, xr, K, tile.data(), K, acc);
         }
         for (int r = 0; r < rows; ++r) {
           const int64_t base = (r0 + r) * n + p * NB;

@@ -569,6 +569,21 @@ def _w4_streams_case(m, compact, n):
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+@SETTINGS
+@given(st.integers(13, 150), st.integers(1, 96), st.integers(1, 70), st.integers(0, 2**31 - 1), st.booleans())
+def test_linear_w4_tile_rows_do_not_depend_on_their_row_group(m, half_k, n, seed, xbf16):
+    """M > 4: the tile path splits each 64-row block into balanced groups of up to 12 rows (AVX-512); a row's sums
+    do not depend on the group it lands in, so every row equals the same row computed in a call of 5 rows."""
+    from fxcompiler.ops.quant_linear import linear_w4
+
+    k = 2 * half_k
+    packed, s, mins = _w4_problem(m, k, n, 32, seed)
+    x = _rand(m, k, seed=seed + 1, dtype=torch.bfloat16 if xbf16 else torch.float32)
+    big = linear_w4(x, packed, s, mins, None, n, 32)
+    for r0 in range(0, m - 4, 5):
+        assert torch.equal(linear_w4(x[r0:r0 + 5], packed, s, mins, None, n, 32), big[r0:r0 + 5]), r0
+
+
 def test_linear_w4_decode_rows_agree_with_tile_path():
     """Row r of an M <= 4 call (direct path) equals row r of an M = 9 call (tile path) within fp32 reordering."""
     from fxcompiler.ops.quant_linear import linear_w4
