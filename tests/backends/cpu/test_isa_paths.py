@@ -1,6 +1,6 @@
 """Every kernel path this CPU can run, tested on this CPU: the linear kernels' property tests
-(``test_kernels.py``, ``test_linear_bf16dot.py``, ``test_epilogue_kernels.py``) are run again in a subprocess per lower path, forced
-with the ISA overrides:
+(``test_kernels.py``, ``test_linear_bf16dot.py``, ``test_epilogue_kernels.py``) and their code checks
+(``test_kernel_codegen.py``) are run again in a subprocess per lower path, forced with the ISA overrides:
 
 * ``avx512+amx``      no override (AMX machines)
 * ``avx512+bf16dot``  ``FXCOMPILER_CPU_AMX=0`` (AVX-512-BF16 dot products; AMD Zen 4/5 run it natively)
@@ -91,7 +91,7 @@ def test_kernel_properties_on_path(path):
     env["FXCOMPILER_EXPECT_ISA"] = path
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     files = ["tests/backends/cpu/test_kernels.py", "tests/backends/cpu/test_linear_bf16dot.py",
-             "tests/backends/cpu/test_epilogue_kernels.py"]
+             "tests/backends/cpu/test_epilogue_kernels.py", "tests/backends/cpu/test_kernel_codegen.py"]
     select = "not failed_build and not avx2_build and not without_amx"
     runs = [(files, select)]
     if path == "avx2":  # the attention kernels have an AVX-512 and an AVX2 build only: their flash-kernel tests
