@@ -144,7 +144,7 @@ inline void micro_rows(int rows, const float* x, int64_t ldx, const float* tile,
   }
 }
 
-// The row groups of the rows [r0, r1): balanced, at most MRQ each (64 rows: 6 groups of 11 and 10, not 16 of 4).
+// The row group size for the rows [r0, r1): balanced, at most MRQ (64 rows: 11 at a time, the last 9; not 4).
 inline int64_t row_group(int64_t r0, int64_t r1) {
   const int64_t rows = r1 - r0, groups = (rows + MRQ - 1) / MRQ;
   return (rows + groups - 1) / groups;
