@@ -33,6 +33,9 @@
 #include <immintrin.h>
 
 #include "simd_math.h"  // fxc::silu_mul512: fxc::silu_mul's fp32 step, for the fused epilogue
+#ifdef __AVX512F__
+#include "bf16_simd.h"  // fxc::bf16_store: c10::BFloat16's rounding, 16 at a time
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -90,6 +93,8 @@ int64_t w8a8_path(int64_t want) {
 
 // ---------------------------------------------------------------------------------------------------
 // micro-kernels: acc[r][0..32) = sum_i dot4(xq[r][i], w[i][.]) for R rows (ldx dwords apart), K4 k-quads
+// (their row and vector loops unrolled by pragma: without it GCC kept the accumulator array on the stack and
+// stored it every k-quad, micro_avx512vnni<12> included)
 // ---------------------------------------------------------------------------------------------------
 template <int R>
 void micro_scalar(const int8_t* xq, int64_t ldx, const int8_t* w, int64_t K4, int32_t* acc) {
@@ -106,62 +111,77 @@ void micro_scalar(const int8_t* xq, int64_t ldx, const int8_t* w, int64_t K4, in
 }
 
 template <int R>
-__attribute__((target("avx2"))) void micro_avx2(const int8_t* xq, int64_t ldx, const int8_t* w, int64_t K4,
-                                                int32_t* acc) {
+__attribute__((target("avx2"), noinline)) void micro_avx2(const int8_t* xq, int64_t ldx, const int8_t* w,
+                                                          int64_t K4, int32_t* acc) {
   __m256i a[R][4];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < 4; ++v) a[r][v] = _mm256_setzero_si256();
   const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t i = 0; i < K4; ++i) {
     const int8_t* wb = w + i * NB * 4;
     __m256i wv[4];
+#pragma GCC unroll 16
     for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * v));
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t d;
       std::memcpy(&d, xq + (r * ldx + i) * 4, 4);
       const __m256i xb = _mm256_set1_epi32(d);
       const __m256i ax = _mm256_sign_epi8(xb, xb);
+#pragma GCC unroll 16
       for (int v = 0; v < 4; ++v) {
         const __m256i p16 = _mm256_maddubs_epi16(ax, _mm256_sign_epi8(wv[v], xb));
         a[r][v] = _mm256_add_epi32(a[r][v], _mm256_madd_epi16(p16, ones));
       }
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * NB + 8 * v), a[r][v]);
 }
 
 template <int R>
-__attribute__((target("avx2,avxvnni"))) void micro_avxvnni(const int8_t* xu, int64_t ldx, const int8_t* w,
-                                                           int64_t K4, int32_t* acc) {
+__attribute__((target("avx2,avxvnni"), noinline)) void micro_avxvnni(const int8_t* xu, int64_t ldx,
+                                                                     const int8_t* w, int64_t K4, int32_t* acc) {
   __m256i a[R][4];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < 4; ++v) a[r][v] = _mm256_setzero_si256();
   for (int64_t i = 0; i < K4; ++i) {
     const int8_t* wb = w + i * NB * 4;
     __m256i wv[4];
+#pragma GCC unroll 16
     for (int v = 0; v < 4; ++v) wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * v));
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t d;
       std::memcpy(&d, xu + (r * ldx + i) * 4, 4);
       const __m256i xb = _mm256_set1_epi32(d);
+#pragma GCC unroll 16
       for (int v = 0; v < 4; ++v) a[r][v] = _mm256_dpbusd_avx_epi32(a[r][v], xb, wv[v]);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r)
+#pragma GCC unroll 16
     for (int v = 0; v < 4; ++v) _mm256_storeu_si256(reinterpret_cast<__m256i*>(acc + r * NB + 8 * v), a[r][v]);
 }
 
 template <int R>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void micro_avx512vnni(const int8_t* xu, int64_t ldx,
-                                                                                      const int8_t* w, int64_t K4,
-                                                                                      int32_t* acc) {
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"), noinline)) void micro_avx512vnni(
+    const int8_t* xu, int64_t ldx, const int8_t* w, int64_t K4, int32_t* acc) {
   __m512i a[R][2];
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm512_setzero_si512();
   for (int64_t i = 0; i < K4; ++i) {
     const int8_t* wb = w + i * NB * 4;
     _mm_prefetch(reinterpret_cast<const char*>(wb) + 1024, _MM_HINT_T0);
     const __m512i w0 = _mm512_loadu_si512(wb), w1 = _mm512_loadu_si512(wb + 64);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       int32_t d;
       std::memcpy(&d, xu + (r * ldx + i) * 4, 4);
@@ -170,13 +190,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void micro_avx51
       a[r][1] = _mm512_dpbusd_epi32(a[r][1], xb, w1);
     }
   }
+#pragma GCC unroll 16
   for (int r = 0; r < R; ++r) {
     _mm512_storeu_si512(acc + r * NB, a[r][0]);
     _mm512_storeu_si512(acc + r * NB + 16, a[r][1]);
   }
 }
 
-constexpr int kMaxR = 8;
+constexpr int kMaxR = 12;
 
 template <int R>
 void micro(int path, const int8_t* xq, int64_t ldx, const int8_t* w, int64_t K4, int32_t* acc) {
@@ -188,11 +209,15 @@ void micro(int path, const int8_t* xq, int64_t ldx, const int8_t* w, int64_t K4,
   }
 }
 
-// rows at a time per path: the accumulators stay in registers (16 zmm of 32 for avx512vnni; 8 ymm of 16 for AVX2)
-int rows_for(int path) { return path == kAvx512Vnni ? 8 : path == kScalar ? 4 : 2; }
+// rows at a time per path: the accumulators stay in registers (24 zmm of 32 for avx512vnni; 8 ymm of 16 for AVX2)
+int rows_for(int path) { return path == kAvx512Vnni ? 12 : path == kScalar ? 4 : 2; }
 
 void micro_rows(int path, int rows, const int8_t* xq, int64_t ldx, const int8_t* w, int64_t K4, int32_t* acc) {
   switch (rows) {
+    case 12: micro<12>(path, xq, ldx, w, K4, acc); break;
+    case 11: micro<11>(path, xq, ldx, w, K4, acc); break;
+    case 10: micro<10>(path, xq, ldx, w, K4, acc); break;
+    case 9: micro<9>(path, xq, ldx, w, K4, acc); break;
     case 8: micro<8>(path, xq, ldx, w, K4, acc); break;
     case 7: micro<7>(path, xq, ldx, w, K4, acc); break;
     case 6: micro<6>(path, xq, ldx, w, K4, acc); break;
@@ -304,9 +329,32 @@ at::Tensor linear_w8a8(const at::Tensor& x, const at::Tensor& w, const at::Tenso
       if (cols <= 0) continue;
       const int8_t* wpan = wp + p * K4 * NB * 4;
       const int64_t m_end = std::min(M, (mb + 1) * MB);
-      for (int64_t r0 = mb * MB; r0 < m_end; r0 += R) {
-        const int rows = static_cast<int>(std::min<int64_t>(R, m_end - r0));
+      const int64_t groups = (m_end - mb * MB + R - 1) / R;
+      const int64_t step = (m_end - mb * MB + groups - 1) / groups;  // balanced row groups of at most R
+      for (int64_t r0 = mb * MB; r0 < m_end; r0 += step) {
+        const int rows = static_cast<int>(std::min<int64_t>(step, m_end - r0));
         micro_rows(path, rows, xq.data() + r0 * Kp, K4, wpan, K4, acc);
+#ifdef __AVX512F__
+        if (cols == NB) {  // the scalar loop below, 16 columns at a time: the same operations in the same order
+          for (int h = 0; h < NB; h += 16) {
+            const __m512i off = offset ? _mm512_mullo_epi32(_mm512_loadu_si512(su + p * NB + h), _mm512_set1_epi32(128))
+                                       : _mm512_setzero_si512();
+            const __m512 sw = _mm512_loadu_ps(sp + p * NB + h);
+            const __m512 bv = bf.empty() ? _mm512_setzero_ps() : _mm512_loadu_ps(bf.data() + p * NB + h);
+            for (int r = 0; r < rows; ++r) {
+              const __m512i a = _mm512_sub_epi32(_mm512_loadu_si512(acc + r * NB + h), off);  // modulo 2^32
+              __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(a), _mm512_set1_ps(xs[r0 + r])), sw);
+              if (!bf.empty()) v = _mm512_add_ps(v, bv);
+              const int64_t base = (r0 + r) * n + p * NB + h;
+              if (out_bf16)
+                fxc::bf16_store(ob + base, v, 0xFFFF);
+              else
+                _mm512_storeu_ps(of + base, v);
+            }
+          }
+          continue;
+        }
+#endif
         for (int r = 0; r < rows; ++r) {
           const int64_t base = (r0 + r) * n + p * NB;
           const float xsr = xs[r0 + r];

@@ -1,10 +1,12 @@
 """The machine code of the register-blocked kernels: every row count's instance is a function of its own, and on
-AVX-512 builds its innermost FMA loops keep the accumulators in registers.
+AVX-512 builds its innermost multiply-accumulate loops (FMA, VPDPBUSD) keep the accumulators in registers.
 
 Inlined into a dispatching lambda beside the other row counts, GCC kept some instances' accumulators on the stack
 and stored them every k step (fp32 at M = 64: the 9-row block at half the rate of the 11-row ones); the kernels
-are `noinline` since (`FXC_PANEL`, backends/cpu/README.md). These checks read the libraries this process loaded
-with binutils' `nm` / `objdump`, which the kernel build itself needs (`as`, `ld`).
+are `noinline` since (`FXC_PANEL`, backends/cpu/README.md). Loops over an accumulator array that GCC unrolls only
+after its scalar replacement leave the array on the stack too (the W8A8 VNNI micro-kernel ran at a third of its
+rate): their loops carry `#pragma GCC unroll`. These checks read the libraries this process loaded with binutils'
+`objdump`, which the kernel build itself needs (`as`, `ld`).
 """
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ from pathlib import Path
 import pytest
 
 import backends.cpu as fxc
-from backends.cpu import _build, attention, quant
+from backends.cpu import _build, attention, quant, w8a8
 
 _FUNC = re.compile(r"^[0-9a-f]+ <(.*)>:$")
 _INSN = re.compile(r"^\s*([0-9a-f]+):\s*(.*)$")
 _JUMP = re.compile(r"^j\w+\s+([0-9a-f]+)\b")
 _STACK_STORE = re.compile(r"^vmov\w*\s+%[xyz]mm\d+,(-?0x[0-9a-f]+)?\(%r[sb]p\)")
+_MAC = re.compile(r"^v(fmadd|pdpbusd)")  # the multiply-accumulates of the fp32 and int8 kernels
 
 
 def _loaded_library(prefix: str) -> str:
@@ -31,13 +34,14 @@ def _loaded_library(prefix: str) -> str:
     raise AssertionError(f"no {prefix}*.so mapped in this process")
 
 
-def _libraries() -> tuple[str, str, bool]:
-    """(fxc_cpu library, fxc_quant library, AVX-512 build) of this process."""
+def _libraries() -> tuple[str, str, str, bool]:
+    """(fxc_cpu, fxc_quant and fxc_w8a8 libraries, AVX-512 build) of this process."""
     if not _build.can_build():
         pytest.skip("no C++ compiler / no AVX2 on this machine: ATen fallback is in use")
-    assert fxc.kernels_available() and quant.ensure_loaded(), _build.state()["error"]
+    assert fxc.kernels_available() and quant.ensure_loaded() and w8a8.ensure_loaded(), _build.state()["error"]
     isa = _build.state()["isa"]
-    return _loaded_library(f"fxc_cpu_{isa}_"), _loaded_library(f"fxc_quant_{isa}_"), isa == "avx512"
+    libs = tuple(_loaded_library(f"{prefix}_{isa}_") for prefix in ("fxc_cpu", "fxc_quant", "fxc_w8a8"))
+    return (*libs, isa == "avx512")
 
 
 def _functions(lib: str, wanted) -> dict[str, list[tuple[int, str]]]:
@@ -80,17 +84,19 @@ def _row_kernels(lib: str, patterns: list[str], rows: int) -> dict[str, list[tup
 
 
 def test_every_row_count_is_its_own_function_with_its_accumulators_in_registers():
-    cpu_lib, quant_lib, avx512 = _libraries()
+    cpu_lib, quant_lib, w8a8_lib, avx512 = _libraries()
     mrmax = 12 if avx512 else 3
     kernels = _row_kernels(cpu_lib, ["panel_f32_packed<{r}>", "panel_direct<fxc::(anonymous namespace)::WF32, {r}>"],
                            mrmax)
     kernels |= _row_kernels(quant_lib, ["micro<{r}>("], 12 if avx512 else 4)
+    # the W8A8 int8 micro-kernel of VNNI CPUs, compiled into AVX-512 builds whatever this CPU has
+    kernels |= _row_kernels(w8a8_lib, ["micro_avx512vnni<{r}>("], 12) if avx512 else {}
     if not avx512:
         return  # 16 ymm registers: the 4-row AVX2 instances spill by necessity
     checked = 0
     for name, insns in kernels.items():
         for body in _innermost_loops(insns):
-            if not any(t.startswith("vfmadd") for t in body):
+            if not any(_MAC.match(t) for t in body):
                 continue
             checked += 1
             stores = [t for t in body if _STACK_STORE.match(t)]
@@ -113,6 +119,6 @@ def test_decode_attention_v_pass_keeps_its_accumulators_in_registers():
     assert len(funcs) == 3 * len(caches), sorted(funcs)
     for name, insns in funcs.items():
         for body in _innermost_loops(insns):
-            if any(t.startswith("vfmadd") for t in body):
+            if any(_MAC.match(t) for t in body):
                 stores = [t for t in body if _STACK_STORE.match(t)]
                 assert not stores, f"{name}: an FMA loop stores vector registers to the stack: {stores[:4]}"
