@@ -30,7 +30,7 @@ from . import _build
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = (_CSRC / "paged_attention.cpp", _CSRC / "flash_attention.cpp", _CSRC / "fused_ops.cpp")
-_HEADERS = (_CSRC / "simd_math.h", _CSRC / "kv_fp8.h", _CSRC / "bf16_simd.h")
+_HEADERS = (_CSRC / "simd_math.h", _CSRC / "kv_fp8.h", _CSRC / "bf16_simd.h", _CSRC / "count_dispatch.h")
 _lock = threading.Lock()
 _state: dict = {"module": None, "tried": False, "error": None}
 _installed = False

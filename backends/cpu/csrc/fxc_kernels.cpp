@@ -46,6 +46,7 @@
 #include <optional>
 #include <vector>
 
+#include "count_dispatch.h"  // fxc::with_count: run-time rows -> a register-blocked instance
 #if defined(FXC_AVX512)
 #include "bf16_simd.h"  // bf16 rounding and the bf16 silu step, shared with csrc/fused_ops.cpp
 #include "simd_math.h"  // fxc::silu_mul512, fxc::silu_mul's fp32 step
@@ -389,8 +390,9 @@ FXC_INLINE void epilogue(const Problem& pb, int64_t p, int64_t m0, reg (&acc)[MR
 #endif
 }
 
-// Direct path: weights converted in registers, rows m0 .. m0+MR of panel p.
-template <class W, int MR>
+// Direct path: weights converted in registers, rows m0 .. m0+MR of panel p.  ONE_CHAIN: one accumulator chain per
+// (row, column vector) in k order also for MR = 1, whose default interleaves 4 (ukernel_m1).
+template <class W, int MR, bool ONE_CHAIN = false>
 FXC_PANEL void panel_direct(const Problem& pb, int64_t p, int64_t m0) {
   reg acc[MR][NV];
 #pragma GCC unroll 16
@@ -398,7 +400,10 @@ FXC_PANEL void panel_direct(const Problem& pb, int64_t p, int64_t m0) {
 #pragma GCC unroll 4
     for (int j = 0; j < NV; ++j) acc[m][j] = Vec::zero();
   const auto* w = static_cast<const typename W::T*>(pb.w) + p * (pb.Kp * NB);
-  run_ukernel<W, MR>(pb.x + m0 * pb.ldx, pb.ldx, w, pb.Kp / W::KS, acc);
+  if constexpr (ONE_CHAIN)
+    ukernel<W, MR>(pb.x + m0 * pb.ldx, pb.ldx, w, pb.Kp / W::KS, acc);
+  else
+    run_ukernel<W, MR>(pb.x + m0 * pb.ldx, pb.ldx, w, pb.Kp / W::KS, acc);
   epilogue<MR>(pb, p, m0, acc);
 }
 
@@ -520,17 +525,6 @@ FXC_PANEL void panel_scratch(const Problem& pb, const float* panel, int64_t p, i
   epilogue<MR>(pb, p, m0, acc);
 }
 
-// Runtime rows -> template MR dispatch.
-template <int MR, class F>
-FXC_INLINE void dispatch_mr(int mr, F&& f) {
-  if constexpr (MR >= 1) {
-    if (mr == MR) {
-      f(std::integral_constant<int, MR>{});
-      return;
-    }
-    dispatch_mr<MR - 1>(mr, std::forward<F>(f));
-  }
-}
 
 // --------------------------------------------------------------------------
 // AMX (bf16 tiles) for larger M.  x is split into bf16 hi + lo parts when it is
@@ -1264,28 +1258,15 @@ FXC_PANEL void panels_multi(const Problem& pb, const int64_t* ps, int64_t m0) {
   }
 }
 
-// Rows m0 .. m0+MR of panel p with one accumulator chain per (row, column vector) in k order, also for MR = 1
-// (panel_direct's single row interleaves 4 chains).
-template <class W, int MR>
-FXC_PANEL void panel_direct_chain(const Problem& pb, int64_t p, int64_t m0) {
-  reg acc[MR][NV];
-#pragma GCC unroll 16
-  for (int m = 0; m < MR; ++m)
-#pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[m][j] = Vec::zero();
-  const auto* w = static_cast<const typename W::T*>(pb.w) + p * (pb.Kp * NB);
-  ukernel<W, MR>(pb.x + m0 * pb.ldx, pb.ldx, w, pb.Kp / W::KS, acc);
-  epilogue<MR>(pb, p, m0, acc);
-}
-
+// Rows m0 .. m0+MR of panel p, one accumulator chain per (row, column vector) in k order.
 template <int MR>
 FXC_INLINE void panel_chain(const Problem& pb, int kind, int64_t p, int64_t m0) {
   if (kind == 0)
-    panel_direct_chain<WF32, MR>(pb, p, m0);
+    panel_direct<WF32, MR, true>(pb, p, m0);
   else if (kind == 1)
-    panel_direct_chain<WBF16, MR>(pb, p, m0);
+    panel_direct<WBF16, MR, true>(pb, p, m0);
   else
-    panel_direct_chain<WI8, MR>(pb, p, m0);
+    panel_direct<WI8, MR, true>(pb, p, m0);
 }
 
 // Single-panel kernel for (kind, rows): the direct paths above.
@@ -1379,7 +1360,7 @@ void run(const Problem& pb, Kind kind) {
   if (pb.M <= kMultiMaxM && !scratch) {
     const int mr = static_cast<int>(pb.M);
     at::parallel_for(0, pb.P, 1, [&](int64_t t0, int64_t t1) {
-      dispatch_mr<kMultiMaxM>(mr, [&](auto c) {
+      with_count<kMultiMaxM>(mr, [&](auto c) {
         constexpr int MR = decltype(c)::value;
         if (kind == Kind::F32)
           run_multi_chunk<WF32, MR, false>(pb, 0, t0, t1);
@@ -1411,7 +1392,7 @@ void run(const Problem& pb, Kind kind) {
         const int rows = static_cast<int>(std::min<int64_t>(mr_base, pb.M - r0));
         const float* src = pb.x + r0 * pb.ldx;
         float* dst = xpk + b * pb.Kp * mr_base;
-        dispatch_mr<MRMAX>(rows, [&](auto c) {
+        with_count<MRMAX>(rows, [&](auto c) {
           constexpr int R = decltype(c)::value;
           for (int64_t k = 0; k < pb.Kp; ++k)
 #pragma GCC unroll 16
@@ -1436,7 +1417,7 @@ void run(const Problem& pb, Kind kind) {
             convert_panel<WI8>(pb, p, buf.data());
           buf_panel = p;
         }
-        dispatch_mr<MRMAX>(mr, [&](auto c) { panel_scratch<decltype(c)::value>(pb, buf.data(), p, m0); });
+        with_count<MRMAX>(mr, [&](auto c) { panel_scratch<decltype(c)::value>(pb, buf.data(), p, m0); });
       } else if (packed_x) {
         // part (t % mb) of the next panel this thread computes, into L2 (none after its last panel)
         const char* pf = nullptr;
@@ -1448,15 +1429,15 @@ void run(const Problem& pb, Kind kind) {
           pf_lines = lines * (b + 1) / mb - l0;
         }
         const float* xp = xpk + (t % mb) * pb.Kp * mr_base;
-        dispatch_mr<MRMAX>(mr, [&](auto c) { panel_f32_packed<decltype(c)::value>(pb, p, m0, xp, mr_base, pf, pf_lines); });
+        with_count<MRMAX>(mr, [&](auto c) { panel_f32_packed<decltype(c)::value>(pb, p, m0, xp, mr_base, pf, pf_lines); });
       } else if (kind == Kind::F32) {
-        dispatch_mr<MRMAX>(mr, [&](auto c) { panel_direct<WF32, decltype(c)::value>(pb, p, m0); });
+        with_count<MRMAX>(mr, [&](auto c) { panel_direct<WF32, decltype(c)::value>(pb, p, m0); });
       } else if (kind == Kind::BF16) {
-        dispatch_mr<MRMAX>(mr, [&](auto c) { panel_direct<WBF16, decltype(c)::value>(pb, p, m0); });
+        with_count<MRMAX>(mr, [&](auto c) { panel_direct<WBF16, decltype(c)::value>(pb, p, m0); });
       } else if (grouped) {
-        dispatch_mr<Vec::MR_GROUP_DIRECT>(mr, [&](auto c) { panel_i8_grouped<decltype(c)::value>(pb, p, m0); });
+        with_count<Vec::MR_GROUP_DIRECT>(mr, [&](auto c) { panel_i8_grouped<decltype(c)::value>(pb, p, m0); });
       } else {
-        dispatch_mr<MRMAX>(mr, [&](auto c) { panel_direct<WI8, decltype(c)::value>(pb, p, m0); });
+        with_count<MRMAX>(mr, [&](auto c) { panel_direct<WI8, decltype(c)::value>(pb, p, m0); });
       }
     }
   });
@@ -1469,7 +1450,7 @@ bool silu_fusable(const Problem& pb) {
   const bool grouped = pb.grp_scale != nullptr;
   if (grouped && pb.M > Vec::MR_GROUP_DIRECT) return false;
   bool ok = false;
-  dispatch_mr<kMultiMaxM>(static_cast<int>(pb.M), [&](auto c) {
+  with_count<kMultiMaxM>(static_cast<int>(pb.M), [&](auto c) {
     ok = grouped ? streams_for(decltype(c)::value, true) >= 2 : streams_for(decltype(c)::value, false) >= 2;
   });
   return ok;
@@ -1501,7 +1482,7 @@ void run_silu_rows(const Problem& pb) {
 
 void run_silu(const Problem& pb) {
   const bool grouped = pb.grp_scale != nullptr;
-  dispatch_mr<kMultiMaxM>(static_cast<int>(pb.M), [&](auto c) {
+  with_count<kMultiMaxM>(static_cast<int>(pb.M), [&](auto c) {
     constexpr int MR = decltype(c)::value;
     if constexpr (streams_for(MR, true) >= 2 && MR <= Vec::MR_GROUP_DIRECT) {
       if (grouped) return run_silu_rows<MR, true>(pb);

@@ -34,6 +34,7 @@ using namespace at;  // the torch:: names below (Tensor, empty, arange, kDouble)
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include "count_dispatch.h"  // fxc::with_count
 #include "simd_math.h"
 #include "kv_fp8.h"
 #include <cstring>
@@ -250,18 +251,6 @@ void piece_generic(const Geo<scalar_t>& g, const acc_t* q, const int64_t* row_bl
 }
 
 #ifdef __AVX512F__
-// f(std::integral_constant<int, c>) for the run-time count c in 1 .. N.
-template <int N, class F>
-inline void with_count(int c, F&& f) {
-  if constexpr (N >= 1) {
-    if (c == N) {
-      f(std::integral_constant<int, N>{});
-      return;
-    }
-    with_count<N - 1>(c, std::forward<F>(f));
-  }
-}
-
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const int8_t* p) {  // int8 codes -> fp32 (exact)
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
@@ -427,7 +416,7 @@ void piece_avx512(const Geo<T>& g, const float* q, const int64_t* row_blocks, in
 #pragma GCC unroll 8
             for (int i = 0; i < DV; ++i) _mm512_storeu_ps(acc + (h * G + g0 + gg) * D + 16 * i, ac[gg][i]);
         };
-        with_count<GMAX>(gn, run);
+        fxc::with_count<GMAX>(gn, run);
       }
     }
   }

@@ -86,8 +86,8 @@ def _row_kernels(lib: str, patterns: list[str], rows: int) -> dict[str, list[tup
 def test_every_row_count_is_its_own_function_with_its_accumulators_in_registers():
     cpu_lib, quant_lib, w8a8_lib, avx512 = _libraries()
     mrmax = 12 if avx512 else 3
-    kernels = _row_kernels(cpu_lib, ["panel_f32_packed<{r}>", "panel_direct<fxc::(anonymous namespace)::WF32, {r}>"],
-                           mrmax)
+    fp32 = ["panel_f32_packed<{r}>", "panel_direct<fxc::(anonymous namespace)::WF32, {r}, false>"]
+    kernels = _row_kernels(cpu_lib, fp32, mrmax)
     kernels |= _row_kernels(quant_lib, ["micro<{r}>("], 12 if avx512 else 4)
     # the W8A8 int8 micro-kernel of VNNI CPUs, compiled into AVX-512 builds whatever this CPU has
     kernels |= _row_kernels(w8a8_lib, ["micro_avx512vnni<{r}>("], 12) if avx512 else {}
