@@ -1039,18 +1039,6 @@ FXC_BF16_TARGET __attribute__((noinline)) void dot_panel(const Problem& pb, cons
 constexpr int kDotMR = 12;  // rows per register block (24 accumulators)
 int64_t g_dot_xbytes = 192 * 1024;  // activation bytes per row group (L2: 1-2 MB per core); FXC_TUNE: settable
 
-template <int MR>
-void dot_dispatch(int mr, const Problem& pb, const uint16_t* w, const uint32_t* xq, int64_t ldq, int64_t Q, int64_t p,
-                  int64_t m0) {
-  if constexpr (MR >= 1) {
-    if (mr == MR) {
-      dot_panel<MR>(pb, w, xq, ldq, Q, p, m0);
-      return;
-    }
-    dot_dispatch<MR - 1>(mr, pb, w, xq, ldq, Q, p, m0);
-  }
-}
-
 // An int8 panel [K][32] as bf16 pairs [Q][32][2] (Q = ceil(K/2), an odd K's last pair padded with 0), the
 // layout dot_panel reads. Exact: an integer of at most 8 bits is a float whose low 16 bits are zero, so its
 // bf16 is the float's high half. The column scales are applied in the output store, as on the AMX path.
@@ -1117,7 +1105,7 @@ void run_bf16dot(const Problem& pb, bool int8_w) {
         for (int64_t rb = g0; rb < g1; ++rb) {
           const int64_t m0 = rb * mr_base;
           const int mr = static_cast<int>(std::min<int64_t>(mr_base, pb.M - m0));
-          dot_dispatch<kDotMR>(mr, pb, w, xq, ldq, Q, p, m0);
+          with_count<kDotMR>(mr, [&](auto c) { dot_panel<decltype(c)::value>(pb, w, xq, ldq, Q, p, m0); });
         }
       }
     }

@@ -42,6 +42,7 @@
 
 #include <immintrin.h>
 
+#include "count_dispatch.h"  // fxc::with_count
 #include "kv_fp8.h"  // fxc::e4m3_encode: c10's e4m3 encoder after the +-448 clamp (linear_f8f8's rows)
 #ifdef __AVX512F__
 #include "bf16_simd.h"  // bf16 rounding and the bf16 silu step, shared with csrc/fused_ops.cpp
@@ -136,12 +137,8 @@ __attribute__((noinline)) void micro(const float* x, int64_t ldx, const float* t
 }
 
 // micro<rows>(...) for 1 <= rows <= MRQ.
-template <int R = MRQ>
 inline void micro_rows(int rows, const float* x, int64_t ldx, const float* tile, int64_t K, float* acc) {
-  if constexpr (R >= 1) {
-    if (rows == R) return micro<R>(x, ldx, tile, K, acc);
-    micro_rows<R - 1>(rows, x, ldx, tile, K, acc);
-  }
+  fxc::with_count<MRQ>(rows, [&](auto c) { micro<decltype(c)::value>(x, ldx, tile, K, acc); });
 }
 
 // The row group size for the rows [r0, r1): balanced, at most MRQ (64 rows: 11 at a time, the last 9; not 4).

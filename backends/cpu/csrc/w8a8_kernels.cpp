@@ -32,6 +32,7 @@
 
 #include <immintrin.h>
 
+#include "count_dispatch.h"  // fxc::with_count
 #include "simd_math.h"  // fxc::silu_mul512: fxc::silu_mul's fp32 step, for the fused epilogue
 #ifdef __AVX512F__
 #include "bf16_simd.h"  // fxc::bf16_store: c10::BFloat16's rounding, 16 at a time
@@ -213,20 +214,7 @@ void micro(int path, const int8_t* xq, int64_t ldx, const int8_t* w, int64_t K4,
 int rows_for(int path) { return path == kAvx512Vnni ? 12 : path == kScalar ? 4 : 2; }
 
 void micro_rows(int path, int rows, const int8_t* xq, int64_t ldx, const int8_t* w, int64_t K4, int32_t* acc) {
-  switch (rows) {
-    case 12: micro<12>(path, xq, ldx, w, K4, acc); break;
-    case 11: micro<11>(path, xq, ldx, w, K4, acc); break;
-    case 10: micro<10>(path, xq, ldx, w, K4, acc); break;
-    case 9: micro<9>(path, xq, ldx, w, K4, acc); break;
-    case 8: micro<8>(path, xq, ldx, w, K4, acc); break;
-    case 7: micro<7>(path, xq, ldx, w, K4, acc); break;
-    case 6: micro<6>(path, xq, ldx, w, K4, acc); break;
-    case 5: micro<5>(path, xq, ldx, w, K4, acc); break;
-    case 4: micro<4>(path, xq, ldx, w, K4, acc); break;
-    case 3: micro<3>(path, xq, ldx, w, K4, acc); break;
-    case 2: micro<2>(path, xq, ldx, w, K4, acc); break;
-    default: micro<1>(path, xq, ldx, w, K4, acc); break;
-  }
+  fxc::with_count<kMaxR>(rows, [&](auto c) { micro<decltype(c)::value>(path, xq, ldx, w, K4, acc); });
 }
 
 // One row: x_scale = amax / 127, q = clamp(nearbyint(x * (127 / amax))) (+128 for VNNI), zero padded to Kp.
