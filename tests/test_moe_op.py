@@ -146,8 +146,18 @@ def test_cpp_kernel_matches_reference(seed, tokens, hidden, inter, experts, data
     got = _via_kernel(args)
     want = moe_reference(*args)
     assert got.dtype == want.dtype == dtype
-    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=4e-2, atol=4e-2 * want.abs().max().item())
-    torch.testing.assert_close(got, want, **tol)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+        return
+    close = torch.isclose(got.float(), want.float(), rtol=4e-2, atol=4e-2 * want.abs().max().item()).all().item()
+    if not close:
+        # An output can be far smaller than the bf16-rounded terms it is summed from (a down projection plus its
+        # bias, hidden = 1: the reference moves in steps of 2^-7 where the outputs are ~0.03): then the kernel must
+        # be as close to the same computation on the same values in fp32 as the bf16 reference is, or closer.
+        exact = moe_reference(*[a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                                for a in args]).float()
+        err, ref_err = (got.float() - exact).abs().max().item(), (want.float() - exact).abs().max().item()
+        assert err <= 2 * ref_err + 4e-2 * exact.abs().max().item(), (err, ref_err, got, want)
 
 
 @needs_kernel
