@@ -330,13 +330,34 @@ def set_bf16dot(on: bool) -> bool:
     return _state["bf16dot"]
 
 
-def set_prefetch(on: bool) -> bool:
-    """Switch the linear kernels' software prefetch of weight streams on/off in this process (benchmarks,
-    tests); returns the new state. The default is off on AMD CPUs, on elsewhere; ``FXCOMPILER_CPU_PREFETCH=0/1``
-    sets it for a whole process."""
+PREFETCH_KINDS = ("fp32", "bf16", "int8")
+PREFETCH_HINTS = {-1: "none", 0: "t0", 1: "t1", 2: "t2", 3: "nta"}
+
+
+def prefetch_hints() -> dict[str, str]:
+    """The decode kernels' software prefetch hint per weight kind (``{"fp32": "nta", "bf16": "none", "int8":
+    "nta"}`` on AMD CPUs, ``"t0"`` for every kind elsewhere; ``FXCOMPILER_CPU_PREFETCH=0|1|t0|nta`` sets one for
+    every kind). Empty without kernels."""
     if not ensure_loaded():
-        return False
-    return bool(_state["lib"].fxc_set_prefetch(int(bool(on))))
+        return {}
+    return {k: PREFETCH_HINTS.get(_state["lib"].fxc_prefetch_hint(i), "none") for i, k in enumerate(PREFETCH_KINDS)}
+
+
+def set_prefetch_hints(**hints: str) -> dict[str, str]:
+    """Change the prefetch hint of some weight kinds in this process (benchmarks, tests; results are the same
+    bits with any hint): ``set_prefetch_hints(fp32="t0", int8="none")``. Returns the hints before the change."""
+    before = prefetch_hints()
+    if not before:
+        return before
+    codes = {v: k for k, v in PREFETCH_HINTS.items()}
+    for kind, hint in hints.items():
+        if kind not in PREFETCH_KINDS:
+            raise ValueError(f"set_prefetch_hints: unknown weight kind {kind!r}, expected one of {PREFETCH_KINDS}")
+        if hint not in codes:
+            raise ValueError(f"set_prefetch_hints: {kind}={hint!r}, expected one of {sorted(codes)}")
+    merged = {**before, **hints}
+    _state["lib"].fxc_set_prefetch_hints(*(codes[merged[k]] for k in PREFETCH_KINDS))
+    return before
 
 
 def set_panel_prefetch(on: bool) -> bool:
@@ -346,11 +367,6 @@ def set_panel_prefetch(on: bool) -> bool:
     if not ensure_loaded():
         return False
     return bool(_state["lib"].fxc_set_panel_prefetch(int(bool(on))))
-
-
-def prefetch_enabled() -> bool:
-    """Whether the loaded linear kernels issue software prefetches (False without kernels)."""
-    return bool(ensure_loaded() and _state["lib"].fxc_kernels_prefetch())
 
 
 def load_op_library(prefix: str, source, extra_flags=()) -> str:

@@ -42,6 +42,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
 #include <cstring>
 #include <optional>
 #include <vector>
@@ -128,14 +129,8 @@ constexpr int NB = 32;            // output columns per panel
 constexpr int NV = NB / Vec::L;   // vectors per panel row
 constexpr int MRMAX = Vec::MRMAX;
 
-#ifdef FXC_TUNE
-// Tuning knobs (only in FXC_TUNE builds) are read from the environment.
-static int64_t env_i64(const char* name, int64_t dflt) {
-  const char* e = std::getenv(name);
-  return e ? std::atol(e) : dflt;
-}
 // A prefetch with a hint chosen at run time: 0=T0 1=T1 2=T2 3=NTA, anything else: none.
-FXC_INLINE void prefetch_hint(const void* p, int64_t hint) {
+FXC_INLINE void prefetch_hint(const void* p, int hint) {
   switch (hint) {
     case 0: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0); break;
     case 1: _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T1); break;
@@ -144,39 +139,64 @@ FXC_INLINE void prefetch_hint(const void* p, int64_t hint) {
     default: break;
   }
 }
-// FXC_PF_DIST bytes ahead, FXC_PF_HINT (as prefetch_hint) for the FMA kernels' weight prefetch.
+
+#ifdef FXC_TUNE
+// Tuning knobs (only in FXC_TUNE builds) are read from the environment.
+static int64_t env_i64(const char* name, int64_t dflt) {
+  const char* e = std::getenv(name);
+  return e ? std::atol(e) : dflt;
+}
+// FXC_PF_DIST bytes ahead for the FMA kernels' weight prefetch (FXC_PF_HINT, as prefetch_hint, for every kind).
 static int64_t g_pf_dist = env_i64("FXC_PF_DIST", FXC_PF_DIST);
-static int64_t g_pf_hint = env_i64("FXC_PF_HINT", 0);
 #undef FXC_PF_DIST
 #define FXC_PF_DIST g_pf_dist
-FXC_INLINE void prefetch(const void* p) { prefetch_hint(p, g_pf_hint); }
-#else
-// Software prefetch of the weight streams (FXC_PF_DIST ahead, into L1): on by default, off on AMD CPUs, whose
-// hardware prefetchers keep the sequential streams ahead by themselves and run faster without the extra
-// requests (Zen 4, the 121 M = 1 bf16 linears of a SmolLM2 decode step: 1.1-1.25x faster, medians of
-// in-process A/Bs; fp32 and the M = 64 VDPBF16PS path unchanged).  FXCOMPILER_CPU_PREFETCH=0/1 decides instead;
-// fxc_set_prefetch() switches it in-process (benchmarks, tests).
+#endif
+
+// Software prefetch of the decode kernels' weight streams, FXC_PF_DIST ahead, with a hint per weight kind
+// (fp32, bf16, int8): prefetch_hint's codes, -1 none.  Not AMD: T0 for every kind.  AMD: NTA for fp32 and int8
+// weights, none for bf16 (Zen 5, SmolLM2 batch-1 decode, medians of in-process A/Bs against none: fp32 NTA
+// 1.086-1.090x, T0 1.037x; W8A16 NTA 1.169x; bf16 NTA 0.954x, T0 0.925x; Zen 4 bf16 had run 1.1-1.25x faster
+// without T0).  NTA lines skip L2 and L3, which then keep the KV cache, activations and code that the step's
+// other operators read between two linears.  FXCOMPILER_CPU_PREFETCH=0|1|t0|nta sets one hint for every kind;
+// fxc_set_prefetch_hints() changes them in-process (benchmarks, tests).
 bool amd_cpu() {
   unsigned a, b, c, d;
   if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
   return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
 }
-int decide_sw_prefetch() {
+constexpr int kPfNone = -1, kPfT0 = 0, kPfNta = 3;
+struct PrefetchHints {
+  int kind[3];  // fp32, bf16, int8
+};
+PrefetchHints decide_prefetch() {
   const char* env = std::getenv("FXCOMPILER_CPU_PREFETCH");
-  if (env && (env[0] == '0' || env[0] == '1')) return env[0] - '0';
-  return amd_cpu() ? 0 : 1;
-}
-int g_sw_prefetch = decide_sw_prefetch();
-FXC_INLINE void prefetch(const void* p) {
-  if (g_sw_prefetch) _mm_prefetch(reinterpret_cast<const char*>(p), _MM_HINT_T0);
-}
+#ifdef FXC_TUNE
+  if (std::getenv("FXC_PF_HINT")) {
+    const int h = static_cast<int>(env_i64("FXC_PF_HINT", 0));
+    return {{h, h, h}};
+  }
 #endif
+  if (env) {
+    const std::string v(env);
+    if (v == "0") return {{kPfNone, kPfNone, kPfNone}};
+    if (v == "1" || v == "t0") return {{kPfT0, kPfT0, kPfT0}};
+    if (v == "nta") return {{kPfNta, kPfNta, kPfNta}};
+  }
+  if (amd_cpu()) return {{kPfNta, kPfNone, kPfNta}};
+  return {{kPfT0, kPfT0, kPfT0}};
+}
+PrefetchHints g_prefetch = decide_prefetch();
+template <class W>
+FXC_INLINE void prefetch(const void* p) {
+  prefetch_hint(p, g_prefetch.kind[W::PF]);
+}
 
 // --------------------------------------------------------------------------
 // Weight formats: one "step" covers KS consecutive k for all 32 columns.
 // --------------------------------------------------------------------------
 struct WF32 {
   using T = float;
+  static constexpr int PF = 0;  // PrefetchHints::kind index
   static constexpr int KS = 1;
   static constexpr int STEP = NB;  // elements per step
   static FXC_INLINE void load(const T* p, reg (&v)[KS][NV]) {
@@ -186,6 +206,7 @@ struct WF32 {
 };
 struct WBF16 {
   using T = uint16_t;
+  static constexpr int PF = 1;
   static constexpr int KS = 2;
   static constexpr int STEP = 2 * NB;
   static FXC_INLINE void load(const T* p, reg (&v)[KS][NV]) {
@@ -195,6 +216,7 @@ struct WBF16 {
 };
 struct WI8 {
   using T = int8_t;
+  static constexpr int PF = 2;
   static constexpr int KS = 1;
   static constexpr int STEP = NB;
   static FXC_INLINE void load(const T* p, reg (&v)[KS][NV]) {
@@ -208,7 +230,7 @@ FXC_INLINE void prefetch_steps(const typename W::T* w, int64_t s, int nsteps_her
   constexpr int BPS = W::STEP * sizeof(typename W::T);  // bytes per step
   const char* base = reinterpret_cast<const char*>(w + s * W::STEP) + FXC_PF_DIST;
   const int bytes = BPS * nsteps_here;
-  for (int off = 0; off < bytes; off += 64) prefetch(base + off);
+  for (int off = 0; off < bytes; off += 64) prefetch<W>(base + off);
 }
 
 // acc[m][:] += sum_{s < nsteps} x[m, s*KS:(s+1)*KS] * w[s]   (MR rows, register blocked)
@@ -222,7 +244,7 @@ FXC_INLINE void ukernel(const float* __restrict x, int64_t ldx, const typename W
     if (BPS >= 64) {
       prefetch_steps<W>(w, s, 1);
     } else if ((s % SPL) == 0) {
-      prefetch(reinterpret_cast<const char*>(ws) + FXC_PF_DIST);
+      prefetch<W>(reinterpret_cast<const char*>(ws) + FXC_PF_DIST);
     }
     reg v[W::KS][NV];
     W::load(ws, v);
@@ -1198,9 +1220,9 @@ FXC_PANEL void panels_multi(const Problem& pb, const int64_t* ps, int64_t m0) {
         const T* ws = w[s] + st * W::STEP;
         if constexpr (BPS >= 64) {
 #pragma GCC unroll 4
-          for (int off = 0; off < BPS; off += 64) prefetch(reinterpret_cast<const char*>(ws) + FXC_PF_DIST + off);
+          for (int off = 0; off < BPS; off += 64) prefetch<W>(reinterpret_cast<const char*>(ws) + FXC_PF_DIST + off);
         } else {
-          if (((st * BPS) & 63) == 0) prefetch(reinterpret_cast<const char*>(ws) + FXC_PF_DIST);
+          if (((st * BPS) & 63) == 0) prefetch<W>(reinterpret_cast<const char*>(ws) + FXC_PF_DIST);
         }
         reg v[W::KS][NV];
         W::load(ws, v);
@@ -1784,7 +1806,7 @@ extern "C" void fxc_evict(const void* p, long bytes) {
 #ifdef FXC_TUNE
 extern "C" void fxc_set_tune(long dist, int hint) {
   fxc::g_pf_dist = dist;
-  fxc::g_pf_hint = hint;
+  fxc::g_prefetch = {{hint, hint, hint}};
 }
 #if defined(FXC_AVX512) && defined(FXC_BF16DOT)
 extern "C" void fxc_set_dot_tune(long xbytes) { fxc::g_dot_xbytes = xbytes; }
@@ -1801,24 +1823,12 @@ extern "C" void fxc_set_amx_tune(long streams, long pf_ahead, long hint, long kb
 #endif
 #endif
 
-// Whether the linear kernels issue software prefetches (1) or leave the streams to the hardware (0).
-extern "C" int fxc_kernels_prefetch() {
-#ifdef FXC_TUNE
-  return fxc::g_pf_hint >= 0 && fxc::g_pf_hint <= 3 ? 1 : 0;
-#else
-  return fxc::g_sw_prefetch;
-#endif
-}
+// The decode kernels' weight-stream prefetch hint for fp32 (kind 0), bf16 (1) and int8 (2) weights: 0 T0, 1 T1,
+// 2 T2, 3 NTA, -1 none.
+extern "C" int fxc_prefetch_hint(int kind) { return kind >= 0 && kind < 3 ? fxc::g_prefetch.kind[kind] : -1; }
 
-// Switch the software prefetch on (1) or off (0) in this process; returns the new state.
-extern "C" int fxc_set_prefetch(int on) {
-#ifdef FXC_TUNE
-  fxc::g_pf_hint = on ? 0 : -1;
-#else
-  fxc::g_sw_prefetch = on ? 1 : 0;
-#endif
-  return fxc_kernels_prefetch();
-}
+// Set the three hints in this process (benchmarks, tests; results are the same bits with any hint).
+extern "C" void fxc_set_prefetch_hints(int f32, int bf16, int i8) { fxc::g_prefetch = {{f32, bf16, i8}}; }
 
 // Whether the fp32 multi-row-block path prefetches the next panel into L2 (1) or not (0); fxc_set_panel_prefetch
 // switches it in this process (benchmarks, tests); returns the new state.

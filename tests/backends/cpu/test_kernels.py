@@ -64,29 +64,47 @@ def test_kernels_built():
         assert fxc.isa() == expected, f"asked for {expected}, running {fxc.isa()}"
 
 
-def test_software_prefetch_switch_leaves_results_unchanged():
-    """The weight-stream prefetch (off by default on AMD CPUs, on elsewhere; FXCOMPILER_CPU_PREFETCH decides)
-    changes timing only: every path gives the same bits with it on and off."""
+def test_software_prefetch_hints_leave_results_unchanged():
+    """The decode kernels' weight-stream prefetch hint per weight kind (AMD: NTA for fp32 and int8, none for bf16;
+    elsewhere T0; FXCOMPILER_CPU_PREFETCH sets one for all) changes timing only: every path gives the same bits
+    with every hint."""
     if not fxc.kernels_available():
         pytest.skip("no C++ kernels here")
     with open("/proc/cpuinfo") as f:
         amd = "AuthenticAMD" in f.read()
     env = os.environ.get("FXCOMPILER_CPU_PREFETCH")
-    assert _build.prefetch_enabled() == (env == "1" if env in ("0", "1") else not amd)
-    before = _build.prefetch_enabled()
+    one = {"0": "none", "1": "t0", "t0": "t0", "nta": "nta"}.get(env or "")
+    expected = ({k: one for k in _build.PREFETCH_KINDS} if one else
+                {"fp32": "nta", "bf16": "none", "int8": "nta"} if amd else {k: "t0" for k in _build.PREFETCH_KINDS})
+    assert _build.prefetch_hints() == expected
+    with pytest.raises(ValueError, match="fp16"):
+        _build.set_prefetch_hints(fp16="t0")
+    with pytest.raises(ValueError, match="int8='t3'"):
+        _build.set_prefetch_hints(int8="t3")
+    before = _build.prefetch_hints()
     try:
         for m, wdt, xdt in [(1, torch.float32, torch.float32), (1, torch.bfloat16, torch.bfloat16),
-                            (3, torch.bfloat16, torch.float32), (17, torch.bfloat16, torch.bfloat16), (40, torch.float32, torch.float32)]:
+                            (3, torch.bfloat16, torch.float32), (17, torch.bfloat16, torch.bfloat16),
+                            (40, torch.float32, torch.float32), (1, torch.int8, torch.float32),
+                            (4, torch.int8, torch.bfloat16), (7, torch.float32, torch.float32)]:
             w = _rand(70, 96, seed=m)
-            packed = fxc.pack_linear_weight(w, wdt)
+            if wdt == torch.int8:
+                q, sc = fxc.quantize_linear_weight_int8(w, -1)
+                run = lambda x: torch.ops.fxc.linear_w8(x, q, sc, None, 70, -1)  # noqa: E731
+            else:
+                packed = fxc.pack_linear_weight(w, wdt)
+                run = lambda x: torch.ops.fxc.linear(x, packed, None, 70)  # noqa: E731
             x = _rand(m, 96, seed=m + 1, dtype=xdt)
             outs = []
-            for on in (True, False):
-                assert _build.set_prefetch(on) is on
-                outs.append(torch.ops.fxc.linear(x, packed, None, 70))
-            assert torch.equal(outs[0], outs[1]), (m, wdt, xdt)
+            for hint in _build.PREFETCH_HINTS.values():
+                _build.set_prefetch_hints(**{k: hint for k in _build.PREFETCH_KINDS})
+                assert set(_build.prefetch_hints().values()) == {hint}
+                outs.append(run(x))
+            for o in outs[1:]:
+                assert torch.equal(outs[0], o), (m, wdt, xdt)
     finally:
-        _build.set_prefetch(before)
+        _build.set_prefetch_hints(**before)
+    assert _build.prefetch_hints() == before
 
 
 @SETTINGS
