@@ -276,6 +276,9 @@ def ensure_loaded() -> bool:
         if _state["tried"]:
             return _state["isa"] is not None
         isa = detect_isa()
+        pf = os.environ.get("FXCOMPILER_CPU_PREFETCH")
+        if pf is not None and pf not in ("0", "1", "t0", "nta"):
+            raise ValueError(f"FXCOMPILER_CPU_PREFETCH must be 0, 1, t0 or nta, got {pf!r}")
         try:
             if isa == "aten":
                 raise RuntimeError("no AVX2/AVX-512 on this CPU (or FXCOMPILER_CPU_ISA=aten)")

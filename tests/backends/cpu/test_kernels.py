@@ -107,6 +107,14 @@ def test_software_prefetch_hints_leave_results_unchanged():
     assert _build.prefetch_hints() == before
 
 
+def test_unknown_prefetch_setting_is_refused_before_anything_is_built():
+    code = "from backends.cpu import _build; _build.ensure_loaded()"
+    env = {**os.environ, "FXCOMPILER_CPU_PREFETCH": "yes"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0
+    assert "FXCOMPILER_CPU_PREFETCH must be 0, 1, t0 or nta, got 'yes'" in r.stderr
+
+
 @SETTINGS
 @given(st.integers(13, 80), st.one_of(st.integers(1, 300), st.sampled_from([576, 1536])), st.integers(33, 300),
        st.integers(0, 2**31 - 1), st.booleans(), st.sampled_from([1, 2, 3]))
