@@ -50,6 +50,9 @@ using namespace at;  // the torch:: names below (Tensor, empty, kLong, ...) are 
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX512F__)
+#include "bf16_simd.h"
+#endif
 
 namespace {
 
@@ -123,6 +126,39 @@ struct OpsF512 {
     return _mm512_mask_blend_ps(none, m, _mm512_setzero_ps());
   }
 };
+#endif
+
+#ifdef __AVX512F__
+// r[j] lane k -> r[k] lane j (a 16 x 16 transpose in registers).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int h = 0; h < 16; h += 8)
+    for (int i = 0; i < 4; ++i) {
+      t[h + i] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0x88);
+      t[h + i + 4] = _mm512_shuffle_f32x4(r[h + i], r[h + i + 4], 0xDD);
+    }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+  }
+}
+
+inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_row16(const c10::BFloat16* p) { return fxc::bf16_load(p, 0xFFFF); }
+inline void store_row16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store_row16(c10::BFloat16* p, __m512 v) { fxc::bf16_store(p, v, 0xFFFF); }
+template <typename X>
+constexpr bool kRows16 = std::is_same_v<X, float> || std::is_same_v<X, c10::BFloat16>;
 #endif
 
 #if defined(__AVX2__) && !defined(__AVX512F__)
@@ -255,6 +291,7 @@ void run_item(const Problem<scalar_t, cache_t>& P, const Tile& tile, const Item&
   T* vb = kb + kChunk * D;             // [kChunk][D] converted V rows
   T* stats = vb + kChunk * D;          // m [L], l [L]
   alignas(64) int32_t lo[L], hi[L];
+  const scalar_t* qrow[L];
   const T scale = static_cast<T>(P.ksc ? P.scale * static_cast<double>(P.ksc[tile.h]) : P.scale);
   for (int i = 0; i < L; ++i) {
     if (i < tile.nrows) {
@@ -263,14 +300,35 @@ void run_item(const Problem<scalar_t, cache_t>& P, const Tile& tile, const Item&
       row_range(P, tile.b, s, l0, h0);
       lo[i] = static_cast<int32_t>(std::max(l0, it.a));
       hi[i] = static_cast<int32_t>(std::min(h0, it.e));
-      const scalar_t* qr = P.q + tile.b * P.qs[0] + hq * P.qs[1] + s * P.qs[2];
-      for (int64_t d = 0; d < D; ++d) qt[d * L + i] = static_cast<T>(qr[d * P.qs[3]]) * scale;
+      qrow[i] = P.q + tile.b * P.qs[0] + hq * P.qs[1] + s * P.qs[2];
     } else {
       lo[i] = std::numeric_limits<int32_t>::max();
       hi[i] = -1;
-      for (int64_t d = 0; d < D; ++d) qt[d * L + i] = T(0);
+      qrow[i] = nullptr;
     }
   }
+  // Q^T, pre-scaled (zero lanes past the tile's rows): 16 x 16 blocks transposed in registers where the rows
+  // are contiguous, else element by element; the same products either way.
+  bool q_done = false;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<Ops, OpsF512> && kRows16<scalar_t>) {
+    if (P.qs[3] == 1 && D % 16 == 0) {
+      const __m512 sv = _mm512_set1_ps(scale);
+      for (int i0 = 0; i0 < L; i0 += 16)
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          __m512 r[16];
+          for (int j = 0; j < 16; ++j)
+            r[j] = qrow[i0 + j] ? _mm512_mul_ps(load_row16(qrow[i0 + j] + d0), sv) : _mm512_setzero_ps();
+          transpose16(r);
+          for (int k = 0; k < 16; ++k) _mm512_storeu_ps(qt + (d0 + k) * L + i0, r[k]);
+        }
+      q_done = true;
+    }
+  }
+#endif
+  if (!q_done)
+    for (int i = 0; i < L; ++i)
+      for (int64_t d = 0; d < D; ++d) qt[d * L + i] = qrow[i] ? static_cast<T>(qrow[i][d * P.qs[3]]) * scale : T(0);
   std::fill(ot, ot + D * L, T(0));
   V m[NR], l[NR];
   I vlo[NR], vhi[NR];
@@ -378,24 +436,68 @@ void run_item(const Problem<scalar_t, cache_t>& P, const Tile& tile, const Item&
     Ops::store(ms + r * W, m[r]);
     Ops::store(ls + r * W, l[r]);
   }
-  for (int64_t i = 0; i < tile.nrows; ++i) {
+  // Per row: where O goes and its factor (partial results: m, l and O unnormalised).
+  alignas(64) T inv[L];
+  void* dst[L];
+  for (int64_t i = 0; i < L; ++i) {
+    inv[i] = T(0);
+    dst[i] = nullptr;
+    if (i >= tile.nrows) continue;
     const int64_t row = tile.r0 + i, s = row / G, hq = tile.h * G + row % G;
-    if (it.slot >= 0) {  // partial result: m, l, unnormalised O
+    if (it.slot >= 0) {
       T* pp = part + (it.slot * L + i) * (D + 2);
       pp[0] = ms[i];
       pp[1] = ls[i];
-      for (int64_t d = 0; d < D; ++d) pp[2 + d] = ot[d * L + i];
+      dst[i] = pp + 2;
+      inv[i] = T(1);
       continue;
     }
-    scalar_t* dst = P.out + ((tile.b * P.S + s) * P.Hq + hq) * D;
-    if (ms[i] == -std::numeric_limits<T>::infinity()) {  // nothing to attend to
-      for (int64_t d = 0; d < D; ++d) dst[d] = scalar_t(0);
-      continue;
-    }
+    dst[i] = P.out + ((tile.b * P.S + s) * P.Hq + hq) * D;
+    if (ms[i] == -std::numeric_limits<T>::infinity()) continue;  // nothing to attend to: zeros, below
     // a sink joins the softmax's denominator only: exp(sink - max) beside the row's sum
     const T sink = P.sinks ? static_cast<T>(std::exp(P.sinks[hq] - static_cast<double>(ms[i]))) : T(0);
-    const T inv = T(1) / (ls[i] + sink) * (P.vsc ? static_cast<T>(P.vsc[tile.h]) : T(1));
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(ot[d * L + i] * inv);
+    inv[i] = T(1) / (ls[i] + sink) * (P.vsc ? static_cast<T>(P.vsc[tile.h]) : T(1));
+  }
+  auto out_row = [&](int64_t i, auto* d) {  // element by element
+    using D_t = std::remove_pointer_t<decltype(d)>;
+    if (it.slot >= 0) {
+      for (int64_t k = 0; k < D; ++k) d[k] = static_cast<D_t>(ot[k * L + i]);
+    } else {
+      for (int64_t k = 0; k < D; ++k) d[k] = static_cast<D_t>(ot[k * L + i] * inv[i]);
+    }
+  };
+  bool o_done = false;
+#ifdef __AVX512F__
+  if constexpr (std::is_same_v<Ops, OpsF512> && kRows16<scalar_t>) {
+    if (D % 16 == 0) {  // 16 x 16 blocks of O^T scaled by their rows' factors, transposed in registers
+      for (int i0 = 0; i0 < L && i0 < tile.nrows; i0 += 16) {
+        const __m512 iv = _mm512_loadu_ps(inv + i0);
+        for (int64_t d0 = 0; d0 < D; d0 += 16) {
+          __m512 r[16];
+          for (int k = 0; k < 16; ++k) {
+            const __m512 o = _mm512_loadu_ps(ot + (d0 + k) * L + i0);
+            r[k] = it.slot >= 0 ? o : _mm512_mul_ps(o, iv);
+          }
+          transpose16(r);
+          for (int j = 0; j < 16 && i0 + j < tile.nrows; ++j) {
+            if (it.slot >= 0) store_row16(static_cast<T*>(dst[i0 + j]) + d0, r[j]);
+            else store_row16(static_cast<scalar_t*>(dst[i0 + j]) + d0, r[j]);
+          }
+        }
+      }
+      o_done = true;
+    }
+  }
+#endif
+  for (int64_t i = 0; i < tile.nrows; ++i) {
+    if (!o_done) {
+      if (it.slot >= 0) out_row(i, static_cast<T*>(dst[i]));
+      else out_row(i, static_cast<scalar_t*>(dst[i]));
+    }
+    if (it.slot < 0 && ms[i] == -std::numeric_limits<T>::infinity()) {
+      scalar_t* d = static_cast<scalar_t*>(dst[i]);
+      std::fill(d, d + D, scalar_t(0));
+    }
   }
 }
 

@@ -132,10 +132,16 @@ void write_cache(const torch::Tensor& key, const torch::Tensor& value, torch::Te
   const int64_t row = Hkv * D;
   const auto ks = key.strides(), vs = value.strides();
   const bool rows_contiguous = ks[3] == 1 && vs[3] == 1;
+  const bool heads_adjacent = rows_contiguous && ks[1] == D && vs[1] == D;  // a token's Hkv rows: one run
   at::parallel_for(0, B * S, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t b = i / S, s = i % S;
       const int64_t slot = sm[b][s];
+      if (heads_adjacent) {
+        std::memcpy(kc + slot * row, kp + b * ks[0] + s * ks[2], row * sizeof(scalar_t));
+        std::memcpy(vc + slot * row, vp + b * vs[0] + s * vs[2], row * sizeof(scalar_t));
+        continue;
+      }
       for (int64_t h = 0; h < Hkv; ++h) {
         scalar_t* kd = kc + slot * row + h * D;
         scalar_t* vd = vc + slot * row + h * D;
