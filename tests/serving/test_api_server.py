@@ -256,9 +256,9 @@ def test_tools(client):
     hermes = r"Sure\. " + hermes
     whole = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=100, temperature=0,
                                            extra_body={"guided_regex": hermes}).choices[0]
-    chunks = list(client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=100,
-                                                 temperature=0, stream=True, extra_body={"guided_regex": hermes}))
-    assert_streamed_calls(chunks, whole)
+    assert_streamed_calls(lambda: client.chat.completions.create(
+        model=NAME, messages=ask, tools=TOOLS, max_tokens=100, temperature=0, stream=True,
+        extra_body={"guided_regex": hermes}), whole)
     # auto without a call in the output: plain content
     plain = client.chat.completions.create(model=NAME, messages=ask, tools=TOOLS, max_tokens=8, temperature=0)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
@@ -267,9 +267,9 @@ def test_tools(client):
     assert none.choices[0].message.content == plain.choices[0].message.content
 
 
-def assert_streamed_calls(chunks, whole, min_pieces: dict[int, int] | None = None) -> None:
-    """The stream's content and tool-call deltas assemble into the non-streamed message ``whole``; each call's
-    arguments came in more than one piece (``min_pieces``: call index -> fewer allowed, e.g. ``{}``)."""
+def streamed_calls(chunks, whole) -> dict[int, dict]:
+    """The stream's content and tool-call deltas assemble into the non-streamed message ``whole`` (each call's
+    header first); returns per call index its name, arguments and the number of pieces they came in."""
     deltas = [tc for ch in chunks if ch.choices for tc in (ch.choices[0].delta.tool_calls or ())]
     calls: dict[int, dict] = {}
     for tc in deltas:
@@ -283,10 +283,25 @@ def assert_streamed_calls(chunks, whole, min_pieces: dict[int, int] | None = Non
         c["pieces"] += bool(tc.function.arguments)
     assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == [
         (t.function.name, t.function.arguments) for t in whole.message.tool_calls]
-    for k, c in calls.items():  # arguments came as the model wrote them
-        assert c["pieces"] >= (min_pieces or {}).get(k, 2), calls
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == (whole.message.content or "")
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "tool_calls" == whole.finish_reason
+    return calls
+
+
+def assert_streamed_calls(stream, whole, min_pieces: dict[int, int] | None = None, attempts: int = 3) -> None:
+    """Each stream of ``stream()`` assembles into ``whole`` (``streamed_calls``), and the arguments of each call
+    come as the model writes them, in more than one piece (``min_pieces``: call index -> fewer allowed).  The
+    server merges the deltas its consumer has not taken yet (``serving/engine.py``): when this process or the
+    server's event loop is descheduled for a few milliseconds, the tiny model writes a whole call in that time and
+    the call comes in one piece.  So a stream of fewer pieces is asked again, up to ``attempts`` streams; one
+    that never streams the arguments in pieces fails every time."""
+    tries = []
+    for _ in range(attempts):
+        calls = streamed_calls(list(stream()), whole)
+        tries.append(calls)
+        if all(c["pieces"] >= (min_pieces or {}).get(k, 2) for k, c in calls.items()):
+            return
+    raise AssertionError(f"the arguments never came in pieces in {attempts} streams: {tries}")
 
 
 def test_streamed_tool_calls_llama3_json(llm):
@@ -307,7 +322,7 @@ def test_streamed_tool_calls_llama3_json(llm):
                       extra_body={"guided_regex": two_calls})
             whole = local.chat.completions.create(**kw).choices[0]
             assert [t.function.name for t in whole.message.tool_calls] == ["get_weather", "now"]
-            assert_streamed_calls(list(local.chat.completions.create(stream=True, **kw)), whole, min_pieces={1: 1})
+            assert_streamed_calls(lambda: local.chat.completions.create(stream=True, **kw), whole, min_pieces={1: 1})
     finally:
         engine.shutdown()
 
