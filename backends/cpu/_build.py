@@ -339,8 +339,8 @@ PREFETCH_HINTS = {-1: "none", 0: "t0", 1: "t1", 2: "t2", 3: "nta"}
 
 def prefetch_hints() -> dict[str, str]:
     """The decode kernels' software prefetch hint per weight kind (``{"fp32": "nta", "bf16": "none", "int8":
-    "nta"}`` on AMD CPUs, ``"t0"`` for every kind elsewhere; ``FXCOMPILER_CPU_PREFETCH=0|1|t0|nta`` sets one for
-    every kind). Empty without kernels."""
+    "nta"}`` on AMD Zen 5 and later, ``"none"`` for every kind on older AMD CPUs, ``"t0"`` elsewhere;
+    ``FXCOMPILER_CPU_PREFETCH=0|1|t0|nta`` sets one for every kind). Empty without kernels."""
     if not ensure_loaded():
         return {}
     return {k: PREFETCH_HINTS.get(_state["lib"].fxc_prefetch_hint(i), "none") for i, k in enumerate(PREFETCH_KINDS)}

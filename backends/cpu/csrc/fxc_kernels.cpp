@@ -153,16 +153,24 @@ static int64_t g_pf_dist = env_i64("FXC_PF_DIST", FXC_PF_DIST);
 #endif
 
 // Software prefetch of the decode kernels' weight streams, FXC_PF_DIST ahead, with a hint per weight kind
-// (fp32, bf16, int8): prefetch_hint's codes, -1 none.  Not AMD: T0 for every kind.  AMD: NTA for fp32 and int8
-// weights, none for bf16 (Zen 5, SmolLM2 batch-1 decode, medians of in-process A/Bs against none: fp32 NTA
-// 1.086-1.090x, T0 1.037x; W8A16 NTA 1.169x; bf16 NTA 0.954x, T0 0.925x; Zen 4 bf16 had run 1.1-1.25x faster
-// without T0).  NTA lines skip L2 and L3, which then keep the KV cache, activations and code that the step's
+// (fp32, bf16, int8): prefetch_hint's codes, -1 none.  Not AMD: T0 for every kind.  AMD Zen 5 (family 0x1A) and
+// later: NTA for fp32 and int8 weights, none for bf16 (SmolLM2 batch-1 decode, medians of in-process A/Bs against
+// none: fp32 NTA 1.086-1.104x, T0 0.99-1.04x; W8A16 NTA 1.07-1.17x; bf16 NTA 0.95x in a quiet hour, T0 0.925x).
+// Older AMD CPUs: none for every kind, as measured on Zen 4 (bf16 1.1-1.25x faster without T0; NTA not measured
+// there).  NTA lines skip L2 and L3, which then keep the KV cache, activations and code that the step's
 // other operators read between two linears.  FXCOMPILER_CPU_PREFETCH=0|1|t0|nta sets one hint for every kind;
 // fxc_set_prefetch_hints() changes them in-process (benchmarks, tests).
 bool amd_cpu() {
   unsigned a, b, c, d;
   if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
   return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
+}
+// CPUID family (base + extended): 0x19 Zen 3 / Zen 4, 0x1A Zen 5.
+unsigned amd_family() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  const unsigned base = (a >> 8) & 0xF;
+  return base == 0xF ? base + ((a >> 20) & 0xFF) : base;
 }
 constexpr int kPfNone = -1, kPfT0 = 0, kPfNta = 3;
 struct PrefetchHints {
@@ -182,7 +190,8 @@ PrefetchHints decide_prefetch() {
     if (v == "1" || v == "t0") return {{kPfT0, kPfT0, kPfT0}};
     if (v == "nta") return {{kPfNta, kPfNta, kPfNta}};
   }
-  if (amd_cpu()) return {{kPfNta, kPfNone, kPfNta}};
+  if (amd_cpu()) return amd_family() >= 0x1A ? PrefetchHints{{kPfNta, kPfNone, kPfNta}}
+                                             : PrefetchHints{{kPfNone, kPfNone, kPfNone}};
   return {{kPfT0, kPfT0, kPfT0}};
 }
 PrefetchHints g_prefetch = decide_prefetch();
