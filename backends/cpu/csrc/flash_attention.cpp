@@ -458,13 +458,9 @@ void run_item(const Problem<scalar_t, cache_t>& P, const Tile& tile, const Item&
     const T sink = P.sinks ? static_cast<T>(std::exp(P.sinks[hq] - static_cast<double>(ms[i]))) : T(0);
     inv[i] = T(1) / (ls[i] + sink) * (P.vsc ? static_cast<T>(P.vsc[tile.h]) : T(1));
   }
-  auto out_row = [&](int64_t i, auto* d) {  // element by element
+  auto out_row = [&](int64_t i, auto* d) {  // element by element (x * 1 is x: partial rows keep their bits)
     using D_t = std::remove_pointer_t<decltype(d)>;
-    if (it.slot >= 0) {
-      for (int64_t k = 0; k < D; ++k) d[k] = static_cast<D_t>(ot[k * L + i]);
-    } else {
-      for (int64_t k = 0; k < D; ++k) d[k] = static_cast<D_t>(ot[k * L + i] * inv[i]);
-    }
+    for (int64_t k = 0; k < D; ++k) d[k] = static_cast<D_t>(ot[k * L + i] * inv[i]);
   };
   bool o_done = false;
 #ifdef __AVX512F__
@@ -474,10 +470,7 @@ void run_item(const Problem<scalar_t, cache_t>& P, const Tile& tile, const Item&
         const __m512 iv = _mm512_loadu_ps(inv + i0);
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
           __m512 r[16];
-          for (int k = 0; k < 16; ++k) {
-            const __m512 o = _mm512_loadu_ps(ot + (d0 + k) * L + i0);
-            r[k] = it.slot >= 0 ? o : _mm512_mul_ps(o, iv);
-          }
+          for (int k = 0; k < 16; ++k) r[k] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + k) * L + i0), iv);
           transpose16(r);
           for (int j = 0; j < 16 && i0 + j < tile.nrows; ++j) {
             if (it.slot >= 0) store_row16(static_cast<T*>(dst[i0 + j]) + d0, r[j]);
