@@ -84,24 +84,22 @@ class ModelRunner:
         return self._tensors(ids, pos, table, slots, seq_lens, np.array(logits_idx, dtype=np.int64))
 
     def prepare_decode(self, batch: ScheduledBatch):
+        """One token per sequence: its last one, at position ``num_tokens - 1``. Per-sequence values are
+        gathered in one Python pass and become arrays once (a decode step of few sequences is dominated
+        by fixed costs per array operation, not by its rows)."""
         seqs, bs = batch.seqs, self.block_size
-        B = n = len(seqs)
-        rows = np.array([s.slot for s in seqs], dtype=np.int64)
-        lens = np.array([s.num_tokens for s in seqs], dtype=np.int64)
-        last = np.array([s.last_token for s in seqs], dtype=np.int64)
-        width = int(-(-lens.max() // bs))
-        table = np.zeros((B, width), dtype=np.int64)
-        table[:n] = self.blocks.block_tables[rows, :width]
-        ids = np.zeros((B, 1), dtype=np.int64)
-        pos = np.zeros((B, 1), dtype=np.int64)
-        slots = np.zeros((B, 1), dtype=np.int64)
-        seq_lens = np.ones(B, dtype=np.int64)
-        p = lens - 1
-        ids[:n, 0] = last
-        pos[:n, 0] = p
-        slots[:n, 0] = table[np.arange(n), p // bs] * bs + p % bs
-        seq_lens[:n] = lens
-        for s in seqs:
-            s.num_cached = s.num_tokens
+        n = len(seqs)
+        rows, lens, last = [0] * n, [0] * n, [0] * n
+        for i, s in enumerate(seqs):
+            k = s.num_tokens
+            rows[i], lens[i] = s.slot, k
+            last[i] = s.output_token_ids[-1] if s.output_token_ids else s.prompt_token_ids[-1]
+            s.num_cached = k
+        width = -(-max(lens) // bs)
+        table = self.blocks.block_tables[rows, :width]  # a copy (fancy index): later block growth cannot alias it
+        seq_lens = np.array(lens, dtype=np.int64)
+        pos = (seq_lens - 1).reshape(n, 1)
+        slots = table[np.arange(n)[:, None], pos // bs] * bs + pos % bs
+        ids = np.array(last, dtype=np.int64).reshape(n, 1)
         batch.logit_rows = [(i, 1) for i in range(n)]
         return self._tensors(ids, pos, table, slots, seq_lens, np.arange(n, dtype=np.int64))

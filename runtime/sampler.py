@@ -298,10 +298,13 @@ def _ranks(logp: torch.Tensor, lps: torch.Tensor, rows: Sequence[SamplingRow]) -
 class Sampler:
     """Picks one token per row from ``logits`` [B, V] with ``B == len(rows)``."""
 
-    @torch.no_grad()
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
-        if all(_is_plain_greedy(r) for r in rows):
-            return self._greedy_fast(logits, rows)
+        if not logits.requires_grad and all(_is_plain_greedy(r) for r in rows):
+            return self._greedy_fast(logits, rows)  # records nothing for autograd: no no_grad context per step
+        with torch.no_grad():
+            return self._sample_rows(logits, rows)
+
+    def _sample_rows(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         x, plan = _process(logits, rows)
         logp = torch.log_softmax(x, dim=-1)
         if plan.any_random:
