@@ -9,7 +9,6 @@ import os
 import sys
 import time
 
-from .engine_args import bucket_pair
 
 DEFAULT_PROMPTS = [
     "The capital of France is",
@@ -19,40 +18,27 @@ DEFAULT_PROMPTS = [
 ]
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    from .models.sources import DEFAULT_MODEL_ID
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """The engine's flags, derived from :class:`~fxcompiler.engine_args.EngineArgs` (the same as ``serve``'s)."""
+    from .engine_args import EngineArgs
 
-    p.add_argument("--model", "-m", default=DEFAULT_MODEL_ID,
-                   help=f"model id, HF-format directory or .gguf file (default: the embedded {DEFAULT_MODEL_ID})")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float64")
-    p.add_argument("--max-seq-len-to-capture", type=int, default=2048)
-    p.add_argument("--cache-dir", default=None, help="build/conversion cache (default ~/.cache/fxcompiler)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: all cores)")
-    p.add_argument("--seed", type=int, default=None)
+    EngineArgs.add_cli_args(p)
     p.add_argument("-v", "--verbose", action="store_true")
-    q = p.add_argument_group("quantization (docs/quantization.md)")
-    q.add_argument("--quantization", default=None, metavar="SCHEME",
-                   help="weight-only scheme: W8A16, W4A16 (bf16 activations), W8A32, W4A32 (fp32), W16A16 (bf16)")
-    q.add_argument("--quantization-group-size", type=int, default=None,
-                   help="int4: 32, 64 or 128 (default 128); int8: -1 per channel (default) or a divisor of K")
-    q.add_argument("--keep-gguf-quantization", action="store_true",
-                   help="run a GGUF (e.g. the embedded Q4_1 default) on its own Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K blocks, not dequantised")
-    q.add_argument("--quantize-lm-head", action=argparse.BooleanOptionalAction, default=None,
-                   help="also quantize lm_head (int8, Q8_0 from a GGUF); default: on the GGUF's own blocks with "
-                        "--keep-gguf-quantization, else float; --no-quantize-lm-head keeps it in float")
 
 
-def _quant_kwargs(args) -> dict:
-    """LLM keyword arguments of the quantization options."""
-    from .config import LLMConfig
-    from .quant_config import QuantizationConfig
+def _engine_args(args):
+    """The :class:`~fxcompiler.engine_args.EngineArgs` of a parsed command (``--artifact DIR`` names the model)."""
+    from pathlib import Path
 
-    kw = {"keep_gguf_quantization": args.keep_gguf_quantization, "quantize_lm_head": args.quantize_lm_head,
-          "quantization_group_size": args.quantization_group_size}
-    if args.quantization:
-        kw["llm_config"] = LLMConfig(quantization_config=QuantizationConfig.from_str(args.quantization))
-    return kw
+    from .engine_args import EngineArgs
+
+    artifact = getattr(args, "artifact", None)
+    if artifact:
+        if not (Path(artifact) / "artifact.json").is_file():
+            raise ValueError(f"--artifact {artifact}: not an artifact directory (no artifact.json; "
+                             "build one with 'fxcompiler build MODEL OUT')")
+        args.model = artifact
+    return EngineArgs.from_cli_args(args)
 
 
 # What the CLI samples with when neither a flag nor the model's generation_config.json sets a field.
@@ -87,19 +73,9 @@ def _sampling(args, generation_config=None):
 
 
 def _make_llm(args):
-    import torch
-
-    from .llm import LLM, CACHE_DIR
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    engine_args = _engine_args(args)
     t0 = time.perf_counter()
-    if getattr(args, "artifact", None):
-        llm = LLM.load_artifact(args.artifact, devices=args.device, seed=args.seed, cache_dir=args.cache_dir or CACHE_DIR)
-    else:
-        llm = LLM(args.model, devices=args.device, dtype=args.dtype,
-                  max_seq_len_to_capture=args.max_seq_len_to_capture, cache_dir=args.cache_dir or CACHE_DIR,
-                  seed=args.seed, **_quant_kwargs(args))
+    llm = engine_args.create_llm()
     print(f"[fxcompiler] {llm!r} ready in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
     return llm
 
@@ -164,8 +140,9 @@ def cmd_chat(args) -> int:
 
 def cmd_compile(args) -> int:
     """Capture + passes + pipelines without an engine; optionally dump every pass."""
-    from .llm import LLM, CACHE_DIR
+    from .llm import LLM
 
+    engine_args = _engine_args(args)
     overrides = {"dump_dir": args.dump_dir} if args.dump_dir else {}
     if args.passes_json:
         overrides["passes"] = _passes_json(args.passes_json)
@@ -175,9 +152,8 @@ def cmd_compile(args) -> int:
     from .pass_manager import PassError
 
     try:
-        llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
-                  cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
-                  compiler_config_overrides=overrides, **_quant_kwargs(args))
+        engine_args.set_threads()
+        llm = LLM(engine_args.model, **engine_args.llm_kwargs(), skip_engine=True, compiler_config_overrides=overrides)
     except PassError as exc:
         print(f"[fxcompiler] {exc}", file=sys.stderr)
         return 1
@@ -213,21 +189,16 @@ def _passes_json(text: str) -> dict:
 
 def cmd_build(args) -> int:
     """Build an artifact directory (furiosa-llm build)."""
-    from .config import ManualBucketConfig
-    from .llm import LLM, CACHE_DIR
+    from .llm import LLM
 
-    if bool(args.prefill_buckets) != bool(args.decode_buckets):
-        raise ValueError("give both -pb/--prefill-bucket and -db/--decode-bucket, or neither")
-    bucket_config = ManualBucketConfig(args.prefill_buckets, args.decode_buckets) if args.prefill_buckets else None
+    engine_args = _engine_args(args)
+    if engine_args.is_artifact:
+        raise ValueError(f"MODEL {engine_args.model} is an artifact already; build takes a model id, directory or .gguf")
+    engine_args.set_threads()
     t0 = time.perf_counter()
-    llm = LLM(args.model, devices=args.device, dtype=args.dtype, max_seq_len_to_capture=args.max_seq_len_to_capture,
-              max_prompt_len=args.max_prompt_len, bucket_config=bucket_config, prefill_chunk_size=args.prefill_chunk_size,
-              comp_supertask_kind=args.comp_supertask_kind, auto_bfloat16_cast=args.auto_bfloat16_cast or None,
-              use_blockwise_compile=not args.no_blockwise_compile,
+    llm = LLM(engine_args.model, **engine_args.llm_kwargs(), use_blockwise_compile=not args.no_blockwise_compile,
               num_blocks_per_supertask=args.num_blocks_per_supertask, param_saved_format=args.param_saved_format,
-              cache_dir=args.cache_dir or CACHE_DIR, seed=args.seed, skip_engine=True,
-              artifacts_export_path=args.output, **_quant_kwargs(args), speculative_model=args.speculative_model,
-              num_speculative_tokens=args.num_speculative_tokens,
+              skip_engine=True, artifacts_export_path=args.output,
               compiler_config_overrides={"passes": _passes_json(args.passes_json)} if args.passes_json else None)
     print(f"artifact: {args.output}\nmodel: {llm.model_id}\npipelines: {len(llm.pipelines)}\n"
           f"compile cache: {llm.build_info['compile_cache']}\nbuilt in {time.perf_counter() - t0:.1f}s")
@@ -363,14 +334,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fxcompiler", description="fxcompiler: LLM inference as a graph compiler")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions and report tokens/s")
-    _add_model_args(g)
+    _add_engine_args(g)
     _add_sampling_args(g, 64)
     g.add_argument("--prompt", "-p", action="append", help="prompt (repeatable); default: a few demo prompts")
     g.add_argument("--chat-template", action="store_true", help="wrap each prompt as a user chat turn")
     g.add_argument("--artifact", default=None, help="load this artifact directory instead of building --model")
     g.set_defaults(func=cmd_generate)
     k = sub.add_parser("compile", help="build the pipelines without an engine (and dump every pass)")
-    _add_model_args(k)
+    _add_engine_args(k)
     k.add_argument("model_pos", nargs="?", metavar="MODEL", help="model (same as --model)")
     k.add_argument("--dump-dir", default=None, help="write before/after code, DOT and op diffs per pass here")
     k.add_argument("--passes-json", default=None, metavar="JSON|@FILE",
@@ -379,27 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--bisect", action="store_true", help="compare every pass's results with the unoptimised "
                    "graph's and stop at the first pass (and node) that diverges")
     k.set_defaults(func=cmd_compile)
-    b = sub.add_parser("build", help="build an artifact directory (load it with LLM.load_artifact)")
-    _add_model_args(b)
+    b = sub.add_parser("build", help="build an artifact directory (load it with LLM.load_artifact); the engine "
+                       "flags are recorded in it (a --speculative-model is written under OUT/speculative_model/)")
+    _add_engine_args(b)
     b.add_argument("model_pos", metavar="MODEL", help="model id, HF-format directory or .gguf file")
     b.add_argument("output", metavar="OUT", help="artifact directory to create (must not exist or be empty)")
-    b.add_argument("-pb", "--prefill-bucket", dest="prefill_buckets", type=bucket_pair, action="append", default=[],
-                   metavar="BATCH,ATTN", help="a prefill bucket (repeatable); default: the automatic bucket ladder")
-    b.add_argument("-db", "--decode-bucket", dest="decode_buckets", type=bucket_pair, action="append", default=[],
-                   metavar="BATCH,ATTN", help="a decode bucket (repeatable)")
-    b.add_argument("--max-prompt-len", type=int, default=None)
-    b.add_argument("--prefill-chunk-size", type=int, default=None)
-    b.add_argument("--comp-supertask-kind", choices=["fx", "dfg", "edf"], default=None)
-    b.add_argument("--auto-bfloat16-cast", action="store_true", help="bf16 weights, compute and KV cache")
     b.add_argument("--no-blockwise-compile", action="store_true", help="one supertask per pipeline")
     b.add_argument("--num-blocks-per-supertask", type=int, default=1)
     b.add_argument("--param-saved-format", choices=["safetensors", "pt"], default="safetensors")
     b.add_argument("--passes-json", default=None, metavar="JSON|@FILE", help="the passes override as JSON "
                    "(recorded in the artifact's settings)")
-    b.add_argument("--speculative-model", default=None, metavar="DRAFT|[ngram]",
-                   help="a draft model (id, directory, .gguf) written under OUT/speculative_model/, or '[ngram]' "
-                        "('[ngram]:MIN:MAX'); LLM.load_artifact(OUT) speculates with it (docs/speculative.md)")
-    b.add_argument("--num-speculative-tokens", type=int, default=None, metavar="K")
     b.set_defaults(func=cmd_build)
     i = sub.add_parser("inspect", help="summarise an artifact (manifest, buckets, blobs, sizes)")
     i.add_argument("artifact", metavar="ARTIFACT")
@@ -448,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     qz.add_argument("-v", "--verbose", action="store_true")
     qz.set_defaults(func=cmd_quantize)
     c = sub.add_parser("chat", help="interactive chat with streaming output")
-    _add_model_args(c)
+    _add_engine_args(c)
     _add_sampling_args(c, 256)
     c.add_argument("--system", default=None, help="system prompt")
     c.add_argument("--artifact", default=None, help="load this artifact directory instead of building --model")

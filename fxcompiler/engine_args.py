@@ -74,6 +74,12 @@ class EngineArgs:
     cache_dir: str | None = None
     compile_in_subprocess: bool = False
     threads: int | None = None
+    quantization: str | None = None
+    quantization_group_size: int | None = None
+    keep_gguf_quantization: bool = False
+    quantize_lm_head: bool | None = None
+    speculative_model: str | None = None
+    num_speculative_tokens: int | None = None
 
     _HELP = {
         "model": "model id, HF-format directory, .gguf file or artifact directory (fxcompiler build)",
@@ -99,9 +105,21 @@ class EngineArgs:
         "compile_in_subprocess": "on a compile-cache miss, export and optimise the model in a child process and "
                                  "load the cached program (a cold start then ends with a warm start's memory)",
         "threads": "torch intra-op threads (default: all cores)",
+        "quantization": "quantize the weights while building: a scheme string such as W8A16, W4A16, W8A8, W4A8, "
+                        "Wf8A16, W16A16, W8A16KV8 (docs/quantization.md)",
+        "quantization_group_size": "int4: 32, 64 or 128 (default 128); int8: -1 per channel (default) or a divisor of K",
+        "keep_gguf_quantization": "run a GGUF (e.g. the embedded Q4_1 default) on its own Q4_0/Q4_1/Q4_K/Q8_0/Q5_0/Q6_K "
+                                  "blocks, not dequantised",
+        "quantize_lm_head": "also quantize lm_head (default: on a GGUF's own blocks with --keep-gguf-quantization, "
+                            "else float)",
+        "speculative_model": "a draft model (id, directory, .gguf) or '[ngram]' ('[ngram]:MIN:MAX') for speculative "
+                             "decoding (docs/speculative.md)",
+        "num_speculative_tokens": "draft tokens proposed per step (with --speculative-model)",
     }
     _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
               "prefill_buckets": "-pb", "decode_buckets": "-db"}
+    # earlier spellings of the CLI's own flags, still accepted
+    _ALIASES = {"devices": ["--device"], "prefill_buckets": ["--prefill-bucket"], "decode_buckets": ["--decode-bucket"]}
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
@@ -116,8 +134,29 @@ class EngineArgs:
                      "num_pipeline_builder_workers", "num_compile_workers"):
             _pos_int(name, getattr(self, name))
         for name in ("max_prompt_len", "prefill_chunk_size", "data_parallel_size", "threads",
-                     "kv_cache_memory_bytes"):
+                     "kv_cache_memory_bytes", "num_speculative_tokens"):
             _pos_int(name, getattr(self, name), allow_none=True)
+        if self.quantization_group_size is not None and (isinstance(self.quantization_group_size, bool) or not
+                                                         isinstance(self.quantization_group_size, int)):
+            raise ValueError(f"quantization_group_size must be an int, got {self.quantization_group_size!r}")
+        if self.quantization is not None:
+            from .quant_config import QuantizationConfig
+
+            try:
+                QuantizationConfig.from_str(self.quantization)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"quantization: {exc}") from None
+        if self.quantize_lm_head is not None and not isinstance(self.quantize_lm_head, bool):
+            raise TypeError(f"quantize_lm_head must be a bool or None, got {self.quantize_lm_head!r}")
+        if self.num_speculative_tokens is not None and self.speculative_model is None and not self.is_artifact:
+            raise ValueError("num_speculative_tokens needs speculative_model")
+        if self.is_artifact:
+            given = [n for n in ("quantization", "quantization_group_size", "quantize_lm_head")
+                     if getattr(self, n) is not None] + (["keep_gguf_quantization"] if self.keep_gguf_quantization
+                                                         else [])
+            if given:
+                raise ValueError(f"{', '.join(given)}: an artifact runs the quantization it was built with "
+                                 f"({self.model}); quantization options apply when building from a model")
         _pos_int("paged_attention_num_blocks", self.paged_attention_num_blocks, allow_none=True, minimum=2)
         from .kv_cache_quant import parse_kv_cache_dtype
 
@@ -129,7 +168,8 @@ class EngineArgs:
                 or not 0.0 <= self.spare_blocks_ratio < 1.0:
             raise ValueError(f"spare_blocks_ratio must be in [0, 1), got {self.spare_blocks_ratio!r}")
         if bool(self.prefill_buckets) != bool(self.decode_buckets) and not self.is_artifact:
-            raise ValueError("give both prefill_buckets and decode_buckets, or neither")
+            raise ValueError("give both prefill_buckets and decode_buckets (-pb/--prefill-buckets and "
+                             "-db/--decode-buckets), or neither")
         for name in ("prefill_buckets", "decode_buckets"):
             pairs = [tuple(p) for p in getattr(self, name)]
             for p in pairs:
@@ -137,7 +177,7 @@ class EngineArgs:
                     raise ValueError(f"{name} entries must be (batch, attention) pairs of positive ints, got {p!r}")
             setattr(self, name, pairs)
         for name in ("trust_remote_code", "enable_prefix_caching", "auto_bfloat16_cast", "is_offline",
-                     "use_random_weight", "compile_in_subprocess"):
+                     "use_random_weight", "compile_in_subprocess", "keep_gguf_quantization"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -178,6 +218,10 @@ class EngineArgs:
             kv_cache_memory_bytes=self.kv_cache_memory_bytes)
         if self.kv_cache_dtype != "auto":
             common["kv_cache_dtype"] = self.kv_cache_dtype
+        if self.speculative_model is not None:
+            common["speculative_model"] = self.speculative_model
+        if self.num_speculative_tokens is not None:
+            common["num_speculative_tokens"] = self.num_speculative_tokens
         if self.is_artifact:
             common.update(pipeline_parallel_size=None if self.pipeline_parallel_size == 1
                           else self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size)
@@ -193,16 +237,37 @@ class EngineArgs:
             num_compile_workers=self.num_compile_workers)
         if self.compile_in_subprocess:
             common["compile_in_subprocess"] = True
+        common.update(self.quantization_kwargs())
         return common
+
+    def quantization_kwargs(self) -> dict[str, Any]:
+        """The quantization options as ``LLM(...)`` keyword arguments (``llm_config`` for a scheme string)."""
+        kw: dict[str, Any] = {}
+        if self.quantization is not None:
+            from .config import LLMConfig
+            from .quant_config import QuantizationConfig
+
+            kw["llm_config"] = LLMConfig(quantization_config=QuantizationConfig.from_str(self.quantization))
+        if self.quantization_group_size is not None:
+            kw["quantization_group_size"] = self.quantization_group_size
+        if self.keep_gguf_quantization:
+            kw["keep_gguf_quantization"] = True
+        if self.quantize_lm_head is not None:
+            kw["quantize_lm_head"] = self.quantize_lm_head
+        return kw
+
+    def set_threads(self) -> None:
+        """Apply ``threads`` (torch's intra-op thread count) to this process."""
+        if self.threads:
+            import torch
+
+            torch.set_num_threads(self.threads)
 
     def create_llm(self):
         """Build (or load) the ``LLM`` these arguments describe."""
         from .llm import LLM
 
-        if self.threads:
-            import torch
-
-            torch.set_num_threads(self.threads)
+        self.set_threads()
         if self.is_artifact:
             return LLM.load_artifact(self.model, **self.llm_kwargs())
         return LLM(self.model, **self.llm_kwargs())
@@ -217,7 +282,7 @@ class EngineArgs:
             if f.name.startswith("_"):
                 continue
             flag = "--" + f.name.replace("_", "-")
-            names = [flag] + ([cls._SHORT[f.name]] if f.name in cls._SHORT else [])
+            names = [flag] + ([cls._SHORT[f.name]] if f.name in cls._SHORT else []) + cls._ALIASES.get(f.name, [])
             default = getattr(defaults, f.name)
             help_text = cls._HELP.get(f.name, "")
             if f.name == "model":
@@ -229,7 +294,7 @@ class EngineArgs:
             if f.name in ("prefill_buckets", "decode_buckets"):
                 parser.add_argument(*names, dest=f.name, type=bucket_pair, action="append", default=[],
                                     metavar="BATCH,ATTN", help=help_text)
-            elif isinstance(default, bool):
+            elif isinstance(default, bool) or f.name == "quantize_lm_head":
                 parser.add_argument(*names, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                     help=help_text)
             elif f.name == "comp_supertask_kind":

@@ -191,7 +191,7 @@ class LLM:
         if not isinstance(scheduler_config, SchedulerConfig):
             raise TypeError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         if bucket_config is not None and not isinstance(bucket_config, BucketConfig):
-            raise TypeError(f"bucket_config must be a ManualBucketConfig or MinimalBucketConfig, "
+            raise TypeError(f"bucket_config must be a BucketConfig (ManualBucketConfig, MinimalBucketConfig or DefaultBucketConfig), "
                             f"got {type(bucket_config).__name__}")
         if not isinstance(use_blockwise_compile, bool):
             raise TypeError(f"use_blockwise_compile must be a bool, got {use_blockwise_compile!r}")
@@ -1057,7 +1057,7 @@ class LLM:
         if not isinstance(scheduler_config, SchedulerConfig):
             raise TypeError(f"scheduler_config must be a SchedulerConfig, got {type(scheduler_config).__name__}")
         if bucket_config is not None and not isinstance(bucket_config, BucketConfig):
-            raise TypeError(f"bucket_config must be a ManualBucketConfig or MinimalBucketConfig, "
+            raise TypeError(f"bucket_config must be a BucketConfig (ManualBucketConfig, MinimalBucketConfig or DefaultBucketConfig), "
                             f"got {type(bucket_config).__name__}")
         from .parallel_artifacts import check_plan, load_parallel
 

@@ -185,8 +185,8 @@ def build_pipelines(captured: CapturedProgram, buckets: list[Bucket], model_name
     compile cache); when given, :func:`optimise` is not called and ``captured`` only names the model.
     ``workers``: ``num_pipeline_builder_workers`` (see :func:`_build_bucket_pipelines`)."""
     if kind != "fx":
-        raise NotImplementedError(f"comp_supertask_kind={kind!r}: only 'fx' supertasks are built so far "
-                                  "('dfg' and 'edf' belong to the blockwise-compilation work)")
+        raise ValueError(f"build_pipelines builds 'fx' supertasks, got kind={kind!r}: 'dfg' and 'edf' pipelines "
+                         "are converted from them (fxcompiler/build.py, with fxcompiler/dfg.py and edf.py)")
     t0 = time.perf_counter()
     gm, ctx = optimised if optimised is not None else optimise(captured, options, instruments, services)
     options = options or {}

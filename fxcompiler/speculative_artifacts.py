@@ -137,7 +137,7 @@ def plan_load(path, *, speculative_model=None, num_speculative_tokens=None, enab
     _positive("num_speculative_tokens", num_speculative_tokens)
     _positive("speculative_model_paged_attention_num_blocks", paged_attention_num_blocks)
     if bucket_config is not None and not isinstance(bucket_config, BucketConfig):
-        raise TypeError(f"speculative_model_bucket_config must be a ManualBucketConfig or MinimalBucketConfig, "
+        raise TypeError(f"speculative_model_bucket_config must be a BucketConfig (ManualBucketConfig, MinimalBucketConfig or DefaultBucketConfig), "
                         f"got {type(bucket_config).__name__}")
     draft_parallel = {k: v for k, v in (draft_parallel or {}).items() if v is not None}
     for name in DRAFT_PARALLEL:

@@ -11,8 +11,9 @@
   three small ones. Views of one tensor to the same shape count as the same activation
   (each linear that ``decompose(model_rewrite=True)`` splits makes its own ``view``).
 
-* ``fuse_linear_silu_mul``: ``fxc::silu_mul`` of the halves of a fused gate/up ``fxc::linear_w4a8`` or
-  ``fxc::linear_w8`` becomes one ``fxc::linear_w4a8_silu_mul`` / ``fxc::linear_w8_silu_mul`` (the product in the
+* ``fuse_linear_silu_mul``: ``fxc::silu_mul`` of the halves of a fused gate/up ``fxc::linear_w4a8``,
+  ``fxc::linear_w8`` or ``fxc::linear_w4`` becomes one ``fxc::linear_w4a8_silu_mul`` / ``fxc::linear_w8_silu_mul`` /
+  ``fxc::linear_w4_silu_mul`` (the product in the
   linear's epilogue); runs after ``quantize``.
 * ``fuse_linear_add``: ``residual + fxc::linear_w4a8(...)`` (or ``fxc::linear_w8``, ``fxc::linear_w4``, and the
   float32 / bfloat16 ``fxc::linear`` and ``fxc::linear_by_m``) becomes one ``fxc::<op>_add`` (the sum in the linear's
@@ -285,12 +286,12 @@ def _epilogue_fusions() -> dict:
 
 @register_pass("fuse_linear_silu_mul")
 class FuseLinearSiluMulPass:
-    """``fxc::silu_mul`` of the two halves of one fused gate/up ``fxc::linear_w4a8`` or ``fxc::linear_w8``
-    (``split_with_sizes`` into ``[H, H]`` on the last dim, ``H`` a multiple of the op's panel width: 16 / 32) becomes
-    one ``fxc::linear_w4a8_silu_mul`` / ``fxc::linear_w8_silu_mul``: the product is formed in the linear's epilogue,
-    bit for bit the two ops' result, without the ``2H``-wide intermediate (decode: two dispatches fewer per layer).
-    W4A8 fuses fp32 activations only (its bf16 epilogue would run the two ops); W8 fuses both. Other linear ops are
-    left as they are."""
+    """``fxc::silu_mul`` of the two halves of one fused gate/up ``fxc::linear_w4a8``, ``fxc::linear_w8`` or
+    ``fxc::linear_w4`` (``split_with_sizes`` into ``[H, H]`` on the last dim, ``H`` a multiple of the op's panel width:
+    16 / 32) becomes one ``fxc::linear_w4a8_silu_mul`` / ``fxc::linear_w8_silu_mul`` / ``fxc::linear_w4_silu_mul``:
+    the product is formed in the linear's epilogue, bit for bit the two ops' result, without the ``2H``-wide
+    intermediate (decode: two dispatches fewer per layer). W4A8 fuses fp32 activations only (its bf16 epilogue would
+    run the two ops); W8 and W4 fuse both. Other linear ops are left as they are."""
 
     requires = PassRequirements(after=("quantize", "fuse_projections", "fuse_silu_mul"))  # the op, split, silu_mul
 

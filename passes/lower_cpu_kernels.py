@@ -7,7 +7,8 @@ capture and the layout passes leave: ``aten.matmul/mm(x, W[K, N])`` (``weight_la
 ``aten.addmm(bias, x, W[K, N])`` (GPT-2's Conv1D); ``aten.linear(x, W[N, K], bias)`` (when
 ``weight_layout`` is off). Weights fp32 or bf16 on the CPU, activations of the same dtype; other
 dtypes (fp64, fp16) are left alone. Place it after ``weight_layout``/``fuse_projections``. The
-``quantize`` pass's ops (``fxc::linear_w8``, ``linear_w4``, ``linear_f8``, ``linear_w8a8``) are not ATen
+``quantize`` pass's ops (``fxc::linear_w8``, ``linear_w4``, ``linear_f8``, ``linear_w8a8``, ``linear_w4a8``,
+``linear_f8f8``) are not ATen
 matmuls and are left as they are: their kernel is fixed, there is no float candidate to time them against.
 
 Ensures: the same function up to fp32 accumulation order (``fxc::linear`` accumulates in fp32

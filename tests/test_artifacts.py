@@ -223,7 +223,7 @@ def test_cli_build_and_inspect(llama, tmp_path):
     assert text.startswith("digraph") and text.count("->") >= 3 and "fillcolor=lightblue" in text  # input→emb→block→head→output
     proc = subprocess.run(cmd + ["build", str(llama), str(tmp_path / "x"), "-pb", "1,32"], capture_output=True,
                           text=True, cwd=ROOT, env=env, timeout=300)
-    assert proc.returncode == 2 and "-db/--decode-bucket" in proc.stderr
+    assert proc.returncode == 2 and "-db/--decode-buckets" in proc.stderr
     proc = subprocess.run(cmd + ["inspect", str(tmp_path)], capture_output=True, text=True, cwd=ROOT, env=env,
                           timeout=300)
     assert proc.returncode == 2 and "missing manifest" in proc.stderr

@@ -61,6 +61,50 @@ def test_engine_args_round_trip_through_the_cli():
         EngineArgs(prefill_buckets=[(1, 64)])
 
 
+def test_engine_args_quantization_and_speculation_flags(tmp_path):
+    """The quantization and speculative-decoding options reach ``LLM(...)`` from the flags that ``serve``,
+    ``generate``, ``chat``, ``compile`` and ``build`` share; bad values name the argument."""
+    import argparse
+
+    from fxcompiler import cli
+    from fxcompiler.quant_config import QuantizationConfig
+
+    p = EngineArgs.add_cli_args(argparse.ArgumentParser(), positional_model=True)
+    a = EngineArgs.from_cli_args(p.parse_args([
+        "m", "--quantization", "W4A16", "--quantization-group-size", "64", "--no-quantize-lm-head",
+        "--keep-gguf-quantization", "--speculative-model", "[ngram]:2:4", "--num-speculative-tokens", "3",
+        "--device", "cpu", "--prefill-bucket", "1,64", "-db", "2,64"]))
+    kw = a.llm_kwargs()
+    assert kw["llm_config"].quantization_config == QuantizationConfig.from_str("W4A16")
+    assert (kw["quantization_group_size"], kw["quantize_lm_head"], kw["keep_gguf_quantization"]) == (64, False, True)
+    assert (kw["speculative_model"], kw["num_speculative_tokens"], kw["devices"]) == ("[ngram]:2:4", 3, "cpu")
+    assert kw["bucket_config"] == ManualBucketConfig([(1, 64)], [(2, 64)])
+    plain = EngineArgs(model="m").llm_kwargs()
+    assert not {"llm_config", "quantize_lm_head", "keep_gguf_quantization", "speculative_model"} & set(plain)
+    with pytest.raises(ValueError, match="quantization: not a quantization scheme string: 'W9A9'"):
+        EngineArgs(quantization="W9A9")
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an int >= 1"):
+        EngineArgs(speculative_model="[ngram]", num_speculative_tokens=0)
+    with pytest.raises(ValueError, match="num_speculative_tokens needs speculative_model"):
+        EngineArgs(num_speculative_tokens=2)
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    (artifact / "artifact.json").write_text("{}")
+    with pytest.raises(ValueError, match="quantization, quantize_lm_head: an artifact runs the quantization"):
+        EngineArgs(model=str(artifact), quantization="W8A16", quantize_lm_head=True)
+    # every model-building command takes the same flags
+    parser = cli.build_parser()
+    for argv in (["generate", "--quantization", "W8A16", "--kv-cache-dtype", "int8", "-tp", "1"],
+                 ["chat", "--speculative-model", "[ngram]", "--num-speculative-tokens", "2"],
+                 ["compile", "m", "--quantization", "W8A8", "--auto-bfloat16-cast"],
+                 ["build", "m", "out", "-pb", "1,64", "-db", "1,64", "--speculative-model", "[ngram]"],
+                 ["serve", "m", "--quantization", "W8A16", "--speculative-model", "[ngram]"]):
+        ns = parser.parse_args(argv)
+        assert EngineArgs.from_cli_args(ns).llm_kwargs(), argv
+    with pytest.raises(ValueError, match="--artifact .*: not an artifact directory"):
+        cli._engine_args(parser.parse_args(["generate", "--artifact", str(tmp_path)]))
+
+
 def test_llm_engine_steps_match_generate(llm, engine_args):
     ref = llm.generate(PROMPTS, greedy())
     eng = LLMEngine(llm, engine_args)
@@ -191,6 +235,27 @@ def test_generation_config_defaults_in_cli_generate(llm, monkeypatch, capsys):
     assert cli.main(["generate", "-p", PROMPTS[0], "--temperature", "0", "--max-tokens", "5"]) == 0
     greedy5 = _text(llm, PROMPTS[0], **{**GEN_DEFAULTS, "temperature": 0.0, "max_tokens": 5})
     assert f"### {PROMPTS[0]}\n{greedy5}\n" in capsys.readouterr().out
+
+
+def test_cli_generate_quantized_with_a_speculator(engine_args, monkeypatch, capsys):
+    """``fxcompiler generate`` builds what its engine flags say: a W8A16 model decoding with the n-gram
+    speculator, whose greedy text is that model's plain greedy text (speculation is lossless)."""
+    from fxcompiler import cli
+
+    built = []
+    make = cli._make_llm
+    monkeypatch.setattr(cli, "_make_llm", lambda args: built.append(make(args)) or built[-1])
+    prompt = "def foo(x): return foo(x) + foo(x) + foo"
+    argv = ["generate", "--model", engine_args.model, "--max-seq-len-to-capture", "128", "--cache-dir",
+            engine_args.cache_dir, "-pb", "1,64", "-db", "1,128", "--quantization", "W8A16", "-p", prompt,
+            "--temperature", "0", "--max-tokens", "10"]
+    assert cli.main([*argv, "--speculative-model", "[ngram]", "--num-speculative-tokens", "3"]) == 0
+    spec = capsys.readouterr().out
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert built[0].num_speculative_tokens == 3 and built[1].num_speculative_tokens is None
+    assert all(b.quantization is not None and b.quantization["weight"] == "int8" for b in built)
+    assert spec == plain and f"### {prompt}\n" in spec and len(spec) > len(f"### {prompt}\n\n")
 
 
 def test_generation_config_defaults_in_the_server(llm):
