@@ -163,7 +163,10 @@ class LLMEngine:
                 "prefix_cache_queries": float(sum(s.blocks.prefix_queries for s in scheds)),
                 "prefix_cache_hits": float(sum(s.blocks.prefix_hits for s in scheds)),
                 "num_preemptions": float(sum(s.num_preemptions for s in scheds)),
-                "prompt_tokens": float(st.prompt_tokens), "generation_tokens": float(st.generated_tokens)}
+                "prompt_tokens": float(st.prompt_tokens), "generation_tokens": float(st.generated_tokens),
+                "spec_decode_num_drafts": float(st.spec_verified_seqs),
+                "spec_decode_num_draft_tokens": float(st.spec_proposed_tokens),
+                "spec_decode_num_accepted_tokens": float(st.spec_accepted_tokens)}
 
 
 @dataclass

@@ -36,7 +36,13 @@ class _EngineCollector:
                                ("generation_tokens", "generation_tokens", "Generated tokens."),
                                ("num_preemptions", "num_preemptions", "Sequences preempted."),
                                ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up."),
-                               ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached.")):
+                               ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found cached."),
+                               ("spec_decode_num_drafts", "spec_decode_num_drafts",
+                                "Speculative decoding: drafts verified (one per sequence and verify step)."),
+                               ("spec_decode_num_draft_tokens", "spec_decode_num_draft_tokens",
+                                "Speculative decoding: draft tokens verified."),
+                               ("spec_decode_num_accepted_tokens", "spec_decode_num_accepted_tokens",
+                                "Speculative decoding: draft tokens accepted.")):
             c = CounterMetricFamily(f"fxcompiler:{name}", doc, labels=lab)
             c.add_metric([self.model], s[key])
             yield c

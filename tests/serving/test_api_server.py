@@ -456,3 +456,30 @@ def test_bench_serve(server, tmp_path):
         assert 0 < d["p50"] <= d["p90"] <= d["p99"], (name, d)
     assert res["ttft_ms"]["p99"] <= res["e2e_ms"]["p99"]
     assert "TTFT" in proc.stdout and "p99" in proc.stdout
+
+
+def test_speculating_quantized_server_is_lossless_and_counts_drafts(server, tmp_path):
+    """``serve --quantization W8A16 --speculative-model [ngram]``: greedy answers equal the same quantized
+    model's without a speculator (in-process), and ``/metrics`` counts the verified drafts."""
+    flags = ["--quantization", "W8A16"]
+    prompts = ["x = 1\nx = 1\nx = 1\nx = 1\nx =", "for i in range(3): for i in range(3): for i in"]
+    srv = start_server(server.extra["model"], tmp_path, served_name=NAME,
+                       extra_flags=[*flags, "--speculative-model", "[ngram]", "--num-speculative-tokens", "3"])
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model=NAME, prompt=prompts, max_tokens=24, temperature=0)
+        args = EngineArgs(model=str(server.extra["model"]), max_seq_len_to_capture=512, threads=1,
+                          prefill_buckets=[(1, 64), (4, 64)], decode_buckets=[(1, 512), (16, 512), (64, 512)],
+                          cache_dir=str(tmp_path / "cache"), quantization="W8A16")
+        with LLM.from_engine_args(args) as plain:
+            assert plain.num_speculative_tokens is None and plain.quantization["weight"] == "int8"
+            ref = plain.generate(prompts, greedy(24))
+        assert [c.text for c in r.choices] == [o.outputs[0].text for o in ref]
+        m = srv.metrics()
+        drafts, proposed = m["fxcompiler:spec_decode_num_drafts_total"], m["fxcompiler:spec_decode_num_draft_tokens_total"]
+        assert drafts > 0 and drafts <= proposed <= 3 * drafts, m
+        assert 0 <= m["fxcompiler:spec_decode_num_accepted_tokens_total"] <= proposed
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log_path.read_text(errors="replace"), srv.log()
+    assert server.metrics()["fxcompiler:spec_decode_num_drafts_total"] == 0  # the plain server drafts nothing
