@@ -80,6 +80,7 @@ class EngineArgs:
     quantize_lm_head: bool | None = None
     speculative_model: str | None = None
     num_speculative_tokens: int | None = None
+    speculative_model_quantization: str | None = None
 
     _HELP = {
         "model": "model id, HF-format directory, .gguf file or artifact directory (fxcompiler build)",
@@ -115,6 +116,9 @@ class EngineArgs:
         "speculative_model": "a draft model (id, directory, .gguf) or '[ngram]' ('[ngram]:MIN:MAX') for speculative "
                              "decoding (docs/speculative.md)",
         "num_speculative_tokens": "draft tokens proposed per step (with --speculative-model)",
+        "speculative_model_quantization": "quantize the draft model while building it, e.g. W8A16 or W4A8 with "
+                                          "--speculative-model set to the target itself: a quantized copy drafts "
+                                          "losslessly (docs/speculative.md)",
     }
     _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
               "prefill_buckets": "-pb", "decode_buckets": "-db"}
@@ -139,19 +143,23 @@ class EngineArgs:
         if self.quantization_group_size is not None and (isinstance(self.quantization_group_size, bool) or not
                                                          isinstance(self.quantization_group_size, int)):
             raise ValueError(f"quantization_group_size must be an int, got {self.quantization_group_size!r}")
-        if self.quantization is not None:
-            from .quant_config import QuantizationConfig
+        for name in ("quantization", "speculative_model_quantization"):
+            if getattr(self, name) is not None:
+                from .quant_config import QuantizationConfig
 
-            try:
-                QuantizationConfig.from_str(self.quantization)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"quantization: {exc}") from None
+                try:
+                    QuantizationConfig.from_str(getattr(self, name))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{name}: {exc}") from None
+        if self.speculative_model_quantization is not None and self.speculative_model is None:
+            raise ValueError("speculative_model_quantization needs speculative_model (the draft it quantizes)")
         if self.quantize_lm_head is not None and not isinstance(self.quantize_lm_head, bool):
             raise TypeError(f"quantize_lm_head must be a bool or None, got {self.quantize_lm_head!r}")
         if self.num_speculative_tokens is not None and self.speculative_model is None and not self.is_artifact:
             raise ValueError("num_speculative_tokens needs speculative_model")
         if self.is_artifact:
-            given = [n for n in ("quantization", "quantization_group_size", "quantize_lm_head")
+            given = [n for n in ("quantization", "quantization_group_size", "quantize_lm_head",
+                                 "speculative_model_quantization")
                      if getattr(self, n) is not None] + (["keep_gguf_quantization"] if self.keep_gguf_quantization
                                                          else [])
             if given:
@@ -222,6 +230,12 @@ class EngineArgs:
             common["speculative_model"] = self.speculative_model
         if self.num_speculative_tokens is not None:
             common["num_speculative_tokens"] = self.num_speculative_tokens
+        if self.speculative_model_quantization is not None:
+            from .config import LLMConfig
+            from .quant_config import QuantizationConfig
+
+            common["speculative_model_llm_config"] = LLMConfig(
+                quantization_config=QuantizationConfig.from_str(self.speculative_model_quantization))
         if self.is_artifact:
             common.update(pipeline_parallel_size=None if self.pipeline_parallel_size == 1
                           else self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size)

@@ -87,6 +87,13 @@ def test_engine_args_quantization_and_speculation_flags(tmp_path):
         EngineArgs(speculative_model="[ngram]", num_speculative_tokens=0)
     with pytest.raises(ValueError, match="num_speculative_tokens needs speculative_model"):
         EngineArgs(num_speculative_tokens=2)
+    draft = EngineArgs(model="m", speculative_model="m", speculative_model_quantization="W4A8").llm_kwargs()
+    assert draft["speculative_model_llm_config"].quantization_config == QuantizationConfig.from_str("W4A8")
+    assert "llm_config" not in draft  # the target stays unquantized
+    with pytest.raises(ValueError, match="speculative_model_quantization needs speculative_model"):
+        EngineArgs(speculative_model_quantization="W8A16")
+    with pytest.raises(ValueError, match="speculative_model_quantization: not a quantization scheme string"):
+        EngineArgs(speculative_model="m", speculative_model_quantization="int8")
     artifact = tmp_path / "artifact"
     artifact.mkdir()
     (artifact / "artifact.json").write_text("{}")
@@ -239,7 +246,8 @@ def test_generation_config_defaults_in_cli_generate(llm, monkeypatch, capsys):
 
 def test_cli_generate_quantized_with_a_speculator(engine_args, monkeypatch, capsys):
     """``fxcompiler generate`` builds what its engine flags say: a W8A16 model decoding with the n-gram
-    speculator, whose greedy text is that model's plain greedy text (speculation is lossless)."""
+    speculator, or with a W4A16 copy of itself as the draft; the greedy text is that model's plain greedy text
+    (speculation is lossless)."""
     from fxcompiler import cli
 
     built = []
@@ -253,9 +261,14 @@ def test_cli_generate_quantized_with_a_speculator(engine_args, monkeypatch, caps
     spec = capsys.readouterr().out
     assert cli.main(argv) == 0
     plain = capsys.readouterr().out
+    # a draft model: the target itself, quantized to W4A16 while the draft is built
+    assert cli.main([*argv, "--speculative-model", engine_args.model, "--speculative-model-quantization", "W4A16",
+                     "--num-speculative-tokens", "2"]) == 0
+    drafted = capsys.readouterr().out
     assert built[0].num_speculative_tokens == 3 and built[1].num_speculative_tokens is None
+    assert built[2].num_speculative_tokens == 2 and built[2].speculative_llm.quantization["weight"] == "int4"
     assert all(b.quantization is not None and b.quantization["weight"] == "int8" for b in built)
-    assert spec == plain and f"### {prompt}\n" in spec and len(spec) > len(f"### {prompt}\n\n")
+    assert spec == plain == drafted and f"### {prompt}\n" in spec and len(spec) > len(f"### {prompt}\n\n")
 
 
 def test_generation_config_defaults_in_the_server(llm):
