@@ -15,6 +15,7 @@ import logging
 import signal
 import time
 import uuid
+from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -67,9 +68,34 @@ def _error(exc: OpenAIError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status)
 
 
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the template given inline; checked to be valid Jinja."""
+    if value is None:
+        return None
+    path = Path(value)
+    try:
+        is_file = path.is_file()
+    except OSError:  # an inline template too long to be a file name
+        is_file = False
+    if is_file:
+        text = path.read_text(encoding="utf-8")
+    elif "{{" in value or "{%" in value:
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template ({{{{ }}}} / {{% %}})")
+    import jinja2
+
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(f"--chat-template: not a valid Jinja template: {exc}") from None
+    return text
+
+
 def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name: str | None = None,
-              tool_call_parser: str | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine`` (one model)."""
+              tool_call_parser: str | None = None, chat_template: str | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine`` (one model); ``chat_template``: the template of chat requests that
+    give none (default: the model's)."""
     from .. import __version__
 
     llm_engine = engine.engine
@@ -360,7 +386,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         try:
             prompt = tokenizer.apply_chat_template(message_dicts(req.messages), tokenize=False,
                                                    add_generation_prompt=req.add_generation_prompt,
-                                                   chat_template=req.chat_template, tools=req.tools)
+                                                   chat_template=req.chat_template or chat_template,
+                                                   tools=req.tools)
         except OpenAIError:
             raise
         except Exception as exc:  # noqa: BLE001 - a template error is the request's fault
@@ -493,9 +520,11 @@ def run_server(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     engine_args = EngineArgs.from_cli_args(args)
+    chat_template = load_chat_template(args.chat_template)  # before the engine: a bad flag fails at once
     aeng = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
     parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-    app = build_app(aeng, api_key=args.api_key, model_name=engine_args.model_name, tool_call_parser=parser)
+    app = build_app(aeng, api_key=args.api_key, model_name=engine_args.model_name, tool_call_parser=parser,
+                    chat_template=chat_template)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)  # installs SIGINT/SIGTERM handlers: graceful shutdown

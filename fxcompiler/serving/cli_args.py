@@ -16,4 +16,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help='parse tool calls out of the output when tool_choice is "auto"')
     parser.add_argument("--tool-call-parser", choices=["hermes", "llama3_json"], default=None,
                         help="how tool calls are written by the model (with --enable-auto-tool-choice)")
+    parser.add_argument("--chat-template", default=None, metavar="FILE|TEMPLATE",
+                        help="the Jinja chat template for /v1/chat/completions (a file, or the template itself), "
+                             "used when a request gives none; default: the model's")
     return parser

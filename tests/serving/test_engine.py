@@ -303,6 +303,40 @@ def test_generation_config_defaults_in_the_server(llm):
         engine.shutdown()
 
 
+def test_server_chat_template_flag(llm, tmp_path):
+    """``serve --chat-template``: chat requests without a template of their own render with it (a file or the
+    template inline); a request's ``chat_template`` still wins; a bad flag is refused before anything starts."""
+    from fastapi.testclient import TestClient
+
+    from fxcompiler.serving.api_server import build_app, load_chat_template
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    (tmp_path / "t.jinja").write_text(template)
+    assert load_chat_template(str(tmp_path / "t.jinja")) == template == load_chat_template(template)
+    assert load_chat_template(None) is None
+    with pytest.raises(ValueError, match="no such file, and not a Jinja template"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ValueError, match="not a valid Jinja template"):
+        load_chat_template("{% for m in messages %}")
+    messages = [{"role": "user", "content": "import sys"}]
+    want = _text(llm, "<user>import sys\n<assistant>", temperature=0.0, max_tokens=5, ignore_eos=True)
+    own = "{{ messages[0].content }} again"
+    want_own = _text(llm, "import sys again", temperature=0.0, max_tokens=5, ignore_eos=True)
+    engine = AsyncLLMEngine(LLMEngine(llm))
+    try:
+        with TestClient(build_app(engine, model_name="m", chat_template=template)) as http:
+            def reply(**body):
+                r = http.post("/v1/chat/completions", json={"messages": messages, "temperature": 0.0,
+                                                            "max_tokens": 5, "ignore_eos": True, **body})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["message"]["content"]
+
+            assert reply() == want
+            assert reply(chat_template=own) == want_own
+    finally:
+        engine.shutdown()
+
+
 def test_data_parallel_engine_serves_admits_and_reports_every_replica(llm, engine_args):
     """LLMEngine over dp=2 replicas (the router): admission checks, steps and summed stats."""
     from dataclasses import replace
