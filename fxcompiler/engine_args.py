@@ -42,6 +42,7 @@ class EngineArgs:
     """Options of one engine (model, compilation, KV cache, scheduler); see ``add_cli_args`` for help texts."""
 
     model: str = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    task_type: str | None = None
     served_model_name: str | None = None
     tokenizer: str | None = None
     tokenizer_mode: Literal["auto", "slow"] = "auto"
@@ -84,6 +85,8 @@ class EngineArgs:
 
     _HELP = {
         "model": "model id, HF-format directory, .gguf file or artifact directory (fxcompiler build)",
+        "task_type": "embed (an embedding model: /v1/embeddings) or score (a cross-encoder: /v1/score, /v1/rerank); "
+                     "default: what the checkpoint's class is (docs/encoder-tasks.md)",
         "served_model_name": "the model name the server reports and accepts (default: the model id)",
         "tokenizer": "tokenizer name or path (default: the model's)",
         "devices": "cpu, cuda or cuda:N",
@@ -129,6 +132,12 @@ class EngineArgs:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):
             raise ValueError(f"model must be a non-empty str, got {self.model!r}")
         self.model = os.fspath(self.model)
+        if self.task_type is not None:
+            from .encoder_tasks import TASK_NAMES
+
+            if self.task_type not in TASK_NAMES:
+                raise ValueError(f"task_type={self.task_type!r} is not a task fxcompiler knows; expected one of "
+                                 f"{sorted(TASK_NAMES)}")
         if self.tokenizer_mode not in ("auto", "slow"):
             raise ValueError(f"tokenizer_mode must be 'auto' or 'slow', got {self.tokenizer_mode!r}")
         if self.comp_supertask_kind not in (None, "fx", "dfg", "edf"):
@@ -159,12 +168,12 @@ class EngineArgs:
             raise ValueError("num_speculative_tokens needs speculative_model")
         if self.is_artifact:
             given = [n for n in ("quantization", "quantization_group_size", "quantize_lm_head",
-                                 "speculative_model_quantization")
+                                 "speculative_model_quantization", "task_type")
                      if getattr(self, n) is not None] + (["keep_gguf_quantization"] if self.keep_gguf_quantization
                                                          else [])
             if given:
-                raise ValueError(f"{', '.join(given)}: an artifact runs the quantization it was built with "
-                                 f"({self.model}); quantization options apply when building from a model")
+                raise ValueError(f"{', '.join(given)}: an artifact runs the task and quantization it was built "
+                                 f"with ({self.model}); these options apply when building from a model")
         _pos_int("paged_attention_num_blocks", self.paged_attention_num_blocks, allow_none=True, minimum=2)
         from .kv_cache_quant import parse_kv_cache_dtype
 
@@ -240,6 +249,8 @@ class EngineArgs:
             common.update(pipeline_parallel_size=None if self.pipeline_parallel_size == 1
                           else self.pipeline_parallel_size, data_parallel_size=self.data_parallel_size)
             return common
+        if self.task_type is not None:
+            common["task_type"] = self.task_type
         common.update(
             dtype=self.dtype, trust_remote_code=self.trust_remote_code,
             max_seq_len_to_capture=self.max_seq_len_to_capture, max_prompt_len=self.max_prompt_len,

@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
+from ..encoder_tasks import GENERATE
 from ..engine_args import EngineArgs
-from .auth import APIKeyMiddleware
+from .app_base import base_app
 from .cli_args import add_serve_args  # noqa: F401 - re-exported
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind
@@ -32,6 +32,7 @@ from .metrics import ServerMetrics
 from ..guided_decoding import GuidedDecodingParams
 from .protocol import ChatCompletionRequest, CompletionRequest, OpenAIError, message_dicts
 from .tool_parsers import calls_from_forced, check_tools, forced_schema, parse_tool_calls
+from .tokenize_routes import add_tokenizer_routes
 from .tool_streaming import ToolCallStreamer
 
 log = logging.getLogger("fxcompiler.serving")
@@ -64,10 +65,6 @@ def chat_page() -> str:
     return resources.files(__package__).joinpath("static", "chat.html").read_text(encoding="utf-8")
 
 
-def _error(exc: OpenAIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
-
-
 def load_chat_template(value: str | None) -> str | None:
     """``--chat-template``: a file's text, or the template given inline; checked to be valid Jinja."""
     if value is None:
@@ -96,36 +93,16 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
               tool_call_parser: str | None = None, chat_template: str | None = None) -> FastAPI:
     """The FastAPI app serving ``engine`` (one model); ``chat_template``: the template of chat requests that
     give none (default: the model's)."""
-    from .. import __version__
-
     llm_engine = engine.engine
     name = model_name or llm_engine.model_name
     tokenizer = llm_engine.tokenizer
     defaults = llm_engine.default_sampling_params()
     metrics = ServerMetrics(engine.stats, name)
     engine.on_request_done.append(metrics.observe)
-    app = FastAPI(title="fxcompiler", version=__version__)
+    app, check_model = base_app(name, api_key)
     app.state.engine = engine
     app.state.metrics = metrics
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation(_req, exc: RequestValidationError):
-        errs = exc.errors()
-        first = errs[0] if errs else {}
-        loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        msg = "; ".join(f"{'.'.join(str(x) for x in e.get('loc', ()))}: {e.get('msg')}" for e in errs[:5])
-        return _error(OpenAIError(msg or "invalid request", param=loc))
-
-    @app.exception_handler(OpenAIError)
-    async def _openai(_req, exc: OpenAIError):
-        return _error(exc)
-
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model != name:
-            raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
+    add_tokenizer_routes(app, tokenizer, check_model, llm_engine.max_model_len, chat_template)
 
     page = chat_page()
 
@@ -136,10 +113,6 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
     @app.get("/health")
     async def health():
         return Response(status_code=200 if engine.dead is None else 503)
-
-    @app.get("/version")
-    async def version():
-        return {"version": __version__}
 
     @app.get("/metrics")
     async def prometheus():
@@ -521,10 +494,24 @@ def run_server(args: argparse.Namespace) -> int:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes or llama3_json)")
     engine_args = EngineArgs.from_cli_args(args)
     chat_template = load_chat_template(args.chat_template)  # before the engine: a bad flag fails at once
-    aeng = AsyncLLMEngine(LLMEngine.from_engine_args(engine_args))
-    parser = args.tool_call_parser if args.enable_auto_tool_choice else None
-    app = build_app(aeng, api_key=args.api_key, model_name=engine_args.model_name, tool_call_parser=parser,
-                    chat_template=chat_template)
+    llm = engine_args.create_llm()
+    try:
+        if llm.task == GENERATE:
+            eng = LLMEngine(llm, engine_args)
+            eng.owns_llm = True  # the engine's shutdown shuts the LLM down
+            aeng = AsyncLLMEngine(eng)
+            parser = args.tool_call_parser if args.enable_auto_tool_choice else None
+            app = build_app(aeng, api_key=args.api_key, model_name=engine_args.model_name, tool_call_parser=parser,
+                            chat_template=chat_template)
+            close = aeng.shutdown
+        else:  # an embedding model or a cross-encoder
+            from .pooling_server import build_pooling_app
+
+            app = build_pooling_app(llm, api_key=args.api_key, model_name=engine_args.model_name)
+            close = llm.shutdown
+    except BaseException:
+        llm.shutdown()
+        raise
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=30)
     server = uvicorn.Server(config)  # installs SIGINT/SIGTERM handlers: graceful shutdown
@@ -536,7 +523,7 @@ def run_server(args: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        aeng.shutdown()
+        close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stopped_by:

@@ -1,6 +1,7 @@
 """Prometheus metrics of the server (vLLM's names under the ``fxcompiler:`` prefix), in a private registry."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -77,6 +78,34 @@ class ServerMetrics:
             self.tpot.labels(self.model).observe((m.last_token - m.first_token) / (m.num_generation_tokens - 1))
         if m.finish_reason != "abort" and m.last_token is not None:
             self.e2e.labels(self.model).observe(m.last_token - m.arrival)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class PoolingMetrics:
+    """The metrics of an encoder-model server: requests by outcome, their latency and prompt tokens."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model = model_name
+        lab = ["model_name"]
+        self.success = Counter("fxcompiler:request_success_total", "Finished requests by finish reason.",
+                               lab + ["finished_reason"], registry=self.registry)
+        self.prompt_tokens = Counter("fxcompiler:prompt_tokens", "Prompt tokens encoded.", lab,
+                                     registry=self.registry)
+        self.e2e = Histogram("fxcompiler:e2e_request_latency_seconds", "End-to-end request latency.", lab,
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        for reason in ("stop", "error"):
+            self.success.labels(self.model, reason)
+        self.prompt_tokens.labels(self.model)
+        self.e2e.labels(self.model)
+
+    def observe(self, started: float, prompt_tokens: int, reason: str) -> None:
+        """One request that started at ``started`` (``time.perf_counter()``) ended: ``stop`` or ``error``."""
+        self.success.labels(self.model, reason).inc()
+        self.prompt_tokens.labels(self.model).inc(prompt_tokens)
+        self.e2e.labels(self.model).observe(time.perf_counter() - started)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -66,12 +66,15 @@ class ServerProcess:
 
 
 def start_server(model: str | Path, workdir: Path, *, served_name: str = "tiny", api_key: str | None = None,
-                 extra_flags: list[str] | None = None, startup_timeout: float = 600.0) -> ServerProcess:
-    """Launch the server and wait (bounded) until ``/health`` answers 200."""
+                 extra_flags: list[str] | None = None, startup_timeout: float = 600.0,
+                 base_flags: list[str] | None = None) -> ServerProcess:
+    """Launch the server and wait (bounded) until ``/health`` answers 200; ``base_flags`` replace
+    ``SERVE_FLAGS`` (the decoder's buckets and context)."""
     port = free_port()
     log_path = workdir / "server.log"
     cmd = [sys.executable, "-m", "fxcompiler.cli", "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", served_name, "--cache-dir", str(workdir / "cache"), *SERVE_FLAGS,
+           "--served-model-name", served_name, "--cache-dir", str(workdir / "cache"),
+           *(SERVE_FLAGS if base_flags is None else base_flags),
            *(extra_flags or [])]
     if api_key:
         cmd += ["--api-key", api_key]

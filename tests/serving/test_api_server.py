@@ -483,3 +483,25 @@ def test_speculating_quantized_server_is_lossless_and_counts_drafts(server, tmp_
         assert srv.stop() == 0, srv.log()
     assert "Traceback" not in srv.log_path.read_text(errors="replace"), srv.log()
     assert server.metrics()["fxcompiler:spec_decode_num_drafts_total"] == 0  # the plain server drafts nothing
+
+
+def test_tokenize_detokenize(server, llm):
+    """vLLM's ``/tokenize`` (a prompt, or chat messages through the chat template) and ``/detokenize``."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.base_url + "/tokenize", json={"model": NAME, "prompt": PROMPTS[0]}, headers=headers)
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    assert r.status_code == 200 and r.json() == {"count": len(ids), "max_model_len": 512, "tokens": ids}, r.text
+    r = httpx.post(server.base_url + "/tokenize", json={"messages": CHAT}, headers=headers)
+    text = llm.tokenizer.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
+    chat_ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    assert r.status_code == 200 and r.json()["tokens"] == chat_ids, r.text
+    # the chat request's prompt is exactly these tokens
+    c = openai.OpenAI(base_url=server.base_url + "/v1", api_key=KEY, max_retries=0).chat.completions.create(
+        model=NAME, messages=CHAT, max_tokens=1, temperature=0)
+    assert c.usage.prompt_tokens == len(chat_ids)
+    r = httpx.post(server.base_url + "/detokenize", json={"tokens": ids}, headers=headers)
+    assert r.status_code == 200 and r.json() == {"prompt": llm.tokenizer.decode(ids)}
+    r = httpx.post(server.base_url + "/detokenize", json={"tokens": [-1]}, headers=headers)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
+    # as in vLLM, --api-key guards the /v1 routes only
+    assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 200

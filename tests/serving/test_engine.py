@@ -97,7 +97,7 @@ def test_engine_args_quantization_and_speculation_flags(tmp_path):
     artifact = tmp_path / "artifact"
     artifact.mkdir()
     (artifact / "artifact.json").write_text("{}")
-    with pytest.raises(ValueError, match="quantization, quantize_lm_head: an artifact runs the quantization"):
+    with pytest.raises(ValueError, match="quantization, quantize_lm_head: an artifact runs the task and quantization"):
         EngineArgs(model=str(artifact), quantization="W8A16", quantize_lm_head=True)
     # every model-building command takes the same flags
     parser = cli.build_parser()

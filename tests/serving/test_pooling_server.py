@@ -1,0 +1,137 @@
+"""Serving encoder models: ``/v1/embeddings`` (through the ``openai`` client, float and base64), ``/v1/score``,
+``/v1/rerank``, ``/tokenize`` / ``/detokenize``, OpenAI error bodies, against ``LLM.embed`` / ``LLM.score`` of the
+same model in process; and ``fxcompiler serve`` on an embedding checkpoint as a subprocess."""
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from fastapi.testclient import TestClient
+
+import tests.test_encoder_tasks as encoders
+from fxcompiler.encoder_tasks import PoolingParams
+from fxcompiler.serving.pooling_server import build_pooling_app
+
+from .server_process import start_server
+
+pytestmark = pytest.mark.slow
+
+TEXTS = ["the cat sat on the mat", "a dog ran to the park", "fish"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pooling")
+    built = {name: encoders._build(root, name) for name in ("bert_embed", "bert_cross_encoder")}
+    yield {name: b.llm for name, b in built.items()}, root
+    for b in built.values():
+        b.llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def emb(models):
+    llm = models[0]["bert_embed"]
+    with TestClient(build_pooling_app(llm, model_name="emb")) as http:
+        yield llm, http
+
+
+@pytest.fixture(scope="module")
+def cross(models):
+    llm = models[0]["bert_cross_encoder"]
+    with TestClient(build_pooling_app(llm, model_name="cross")) as http:
+        yield llm, http
+
+
+def _error(r: httpx.Response, status: int, param: str | None, text: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == status and err["param"] == param and text in err["message"], err
+
+
+def test_embeddings_through_the_openai_client(emb):
+    llm, http = emb
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="unused", http_client=http, max_retries=0)
+    want = [o.outputs.embedding for o in llm.embed(TEXTS)]
+    got = client.embeddings.create(model="emb", input=TEXTS, encoding_format="float")
+    assert [d.index for d in got.data] == [0, 1, 2] and [d.embedding for d in got.data] == want
+    assert got.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in llm.embed(TEXTS)) > 0
+    b64 = client.embeddings.create(model="emb", input=TEXTS)  # the client asks for base64 and decodes it
+    for d, w in zip(b64.data, want):
+        assert np.array_equal(np.asarray(d.embedding, dtype=np.float32), np.asarray(w, dtype=np.float32))
+    ids = [[5, 6, 7], [8, 9]]
+    r = http.post("/v1/embeddings", json={"input": ids, "dimensions": 8, "normalize": False})
+    want_ids = llm.embed([{"prompt_token_ids": t} for t in ids], PoolingParams(dimensions=8, normalize=False))
+    assert r.status_code == 200, r.text
+    assert [d["embedding"] for d in r.json()["data"]] == [o.outputs.embedding for o in want_ids]
+    assert len(r.json()["data"][0]["embedding"]) == 8 and r.json()["usage"]["prompt_tokens"] == 5
+    one = http.post("/v1/embeddings", json={"input": [5, 6, 7]}).json()  # one token-id prompt
+    assert one["data"][0]["embedding"] == llm.embed([{"prompt_token_ids": [5, 6, 7]}])[0].outputs.embedding
+
+
+def test_score_and_rerank(emb, cross):
+    for llm, http in (cross, emb):  # a cross-encoder's relevance; an embedding model's cosine similarity
+        want = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS)]
+        r = http.post("/v1/score", json={"text_1": TEXTS[0], "text_2": TEXTS})
+        assert r.status_code == 200, r.text
+        assert [d["score"] for d in r.json()["data"]] == want and [d["index"] for d in r.json()["data"]] == [0, 1, 2]
+        pairs = http.post("/score", json={"text_1": TEXTS[:2], "text_2": TEXTS[1:]}).json()
+        assert [d["score"] for d in pairs["data"]] == [o.outputs.score for o in llm.score(TEXTS[:2], TEXTS[1:])]
+        r = http.post("/v1/rerank", json={"query": TEXTS[0], "documents": TEXTS, "top_n": 2})
+        assert r.status_code == 200, r.text
+        order = sorted(range(3), key=lambda i: -want[i])[:2]
+        assert [x["index"] for x in r.json()["results"]] == order
+        assert [x["relevance_score"] for x in r.json()["results"]] == [want[i] for i in order]
+        assert [x["document"]["text"] for x in r.json()["results"]] == [TEXTS[i] for i in order]
+        bare = http.post("/rerank", json={"query": TEXTS[0], "documents": TEXTS, "return_documents": False}).json()
+        assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
+
+
+def test_tokenize_and_detokenize(emb):
+    llm, http = emb
+    r = http.post("/tokenize", json={"prompt": TEXTS[0]})
+    ids = llm.tokenizer.encode(TEXTS[0])
+    assert r.json() == {"count": len(ids), "max_model_len": llm.max_seq_len_to_capture, "tokens": ids}
+    plain = http.post("/tokenize", json={"prompt": TEXTS[0], "add_special_tokens": False}).json()["tokens"]
+    assert plain == llm.tokenizer.encode(TEXTS[0], add_special_tokens=False) != ids
+    assert http.post("/detokenize", json={"tokens": plain}).json() == {"prompt": llm.tokenizer.decode(plain)}
+    _error(http.post("/detokenize", json={"tokens": [10 ** 6]}), 400, "tokens", "outside the vocabulary")
+    _error(http.post("/tokenize", json={}), 400, "prompt", "give either prompt or messages")
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(emb, cross):
+    llm, http = emb
+    _error(http.post("/v1/embeddings", json={"input": []}), 400, "input", "must not be empty")
+    _error(http.post("/v1/embeddings", json={"input": [[5], []]}), 400, "input", "must not be empty")
+    _error(http.post("/v1/embeddings", json={"input": [[5] * 65]}), 400, "input", "has 65 tokens, more than")
+    _error(http.post("/v1/embeddings", json={"input": [10 ** 6]}), 400, "input", "outside the vocabulary")
+    _error(http.post("/v1/embeddings", json={"input": "x", "dimensions": 10 ** 4}), 400, "input", "exceeds the hidden")
+    _error(http.post("/v1/embeddings", json={"input": "x", "encoding_format": "int8"}), 400, "encoding_format", "")
+    _error(http.post("/v1/embeddings", json={"input": "x", "model": "other"}), 404, "model", "does not exist")
+    _error(http.post("/v1/completions", json={"prompt": "x"}), 400, "model", "does not support the Completions API")
+    _error(http.post("/v1/chat/completions", json={"messages": []}), 400, "model", "use /v1/embeddings")
+    _error(http.post("/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS}), 400, "text_1", "give one text_1")
+    _error(cross[1].post("/v1/embeddings", json={"input": "x"}), 400, "model", "is a cross-encoder")
+    _error(cross[1].post("/v1/rerank", json={"query": "x", "documents": []}), 400, "documents", "")
+    m = http.get("/metrics").text
+    assert 'fxcompiler:request_success_total{finished_reason="error",model_name="emb"}' in m
+    r = http.post("/v1/embeddings", json={"input": TEXTS[1]})  # still serving
+    assert r.status_code == 200 and r.json()["data"][0]["embedding"] == llm.embed(TEXTS[1])[0].outputs.embedding
+    assert http.get("/health").status_code == 200 and http.get("/v1/models").json()["data"][0]["id"] == "emb"
+
+
+def test_serve_an_embedding_checkpoint(models, tmp_path):
+    """``fxcompiler serve`` builds an encoder checkpoint and serves it through these routes; SIGTERM exits 0."""
+    llms, root = models
+    srv = start_server(root / "bert_embed", tmp_path, served_name="emb", base_flags=["--threads", "1"],
+                       extra_flags=["--dtype", "float64"])
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        got = client.embeddings.create(model="emb", input=TEXTS, encoding_format="float")
+        want = [o.outputs.embedding for o in llms["bert_embed"].embed(TEXTS)]
+        assert np.allclose([d.embedding for d in got.data], want, atol=1e-12, rtol=0)
+        r = httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+        assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log_path.read_text(errors="replace"), srv.log()
