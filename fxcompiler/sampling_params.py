@@ -161,7 +161,9 @@ class SamplingParams:
             stop = list(self.stop)
         else:
             raise TypeError(f"stop must be a str, a list of str or None, got {self.stop!r}")
-        self.stop = [s for s in stop if s]
+        if any(not s for s in stop):  # vLLM's rule: "" would match at once
+            raise ValueError(f"stop cannot contain an empty string, got {self.stop!r}")
+        self.stop = stop
 
         if self.stop_token_ids is None:
             self.stop_token_ids = []

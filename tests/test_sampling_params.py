@@ -86,11 +86,13 @@ def test_wrong_types(kwargs):
 
 
 def test_normalisation():
-    p = SamplingParams(seed=-1, logprobs=True, stop="", temperature=2, logit_bias={"5": -1})
+    p = SamplingParams(seed=-1, logprobs=True, temperature=2, logit_bias={"5": -1})
     assert p.seed is None and p.logprobs == 1 and p.stop == [] and p.temperature == 2.0
     assert isinstance(p.temperature, float) and p.logit_bias == {5: -1.0}
-    assert SamplingParams(stop=["a", "", "b"]).stop == ["a", "b"]
-    assert SamplingParams(stop="x").stop == ["x"]
+    for stop in ("", ["a", "", "b"]):  # an empty stop string would match at once: refused, as in vLLM
+        with pytest.raises(ValueError, match="stop cannot contain an empty string"):
+            SamplingParams(stop=stop)
+    assert SamplingParams(stop="x").stop == ["x"] and SamplingParams(stop=[]).stop == []
     assert SamplingParams(n=3).best_of == 3
     assert SamplingParams(max_tokens=None).max_tokens is None
     assert SamplingParams(prompt_logprobs=-1).prompt_logprobs == -1
