@@ -82,7 +82,8 @@ class _Common(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
                 guided_decoding=guided)
         except (ValueError, TypeError) as exc:
-            raise OpenAIError(str(exc)) from None
+            first = str(exc).split(" ", 1)[0].rstrip(":,")  # SamplingParams' messages start with the field
+            raise OpenAIError(str(exc), param=first if first in type(self).model_fields else None) from None
         except NotImplementedError as exc:
             raise OpenAIError(str(exc), 501, "NotImplementedError") from None
 

@@ -363,6 +363,7 @@ def _malformed() -> list[tuple[str, object, int]]:
         (ch, {**okc, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "frob"}}}}, 400),
         (cm, {**ok, "guided_regex": "[unclosed"}, 400), (cm, {**ok, "guided_choice": []}, 400),
         (cm, {**ok, "guided_regex": "a", "guided_choice": ["a"]}, 400),
+        (cm, {**ok, "stop": ""}, 400), (ch, {**okc, "stop": ["x", ""]}, 400),
     ]
 
 
@@ -380,6 +381,8 @@ def test_malformed_requests_get_openai_errors(server, client):
             err = r.json()["error"]
             assert isinstance(err["message"], str) and err["message"], (body, err)
             assert isinstance(err["type"], str) and err["code"] == status, (body, err)
+        r = http.post("/v1/completions", json={"model": NAME, "prompt": "hi", "stop": ["x", ""]}, headers=headers)
+        assert r.json()["error"]["param"] == "stop" and "empty string" in r.json()["error"]["message"]
         for hdr in ({}, {"Authorization": "Bearer wrong"}):  # --api-key: /v1 routes need the key
             r = http.post("/v1/completions", json={"model": NAME, "prompt": "hi"}, headers=hdr)
             assert r.status_code == 401 and r.json()["error"]["code"] == 401
