@@ -125,8 +125,10 @@ class EngineArgs:
     }
     _SHORT = {"tensor_parallel_size": "-tp", "pipeline_parallel_size": "-pp", "data_parallel_size": "-dp",
               "prefill_buckets": "-pb", "decode_buckets": "-db"}
-    # earlier spellings of the CLI's own flags, still accepted
-    _ALIASES = {"devices": ["--device"], "prefill_buckets": ["--prefill-bucket"], "decode_buckets": ["--decode-bucket"]}
+    # earlier spellings of the CLI's own flags, and vLLM's names of the same options
+    _ALIASES = {"devices": ["--device"], "prefill_buckets": ["--prefill-bucket"], "decode_buckets": ["--decode-bucket"],
+                "max_seq_len_to_capture": ["--max-model-len"], "max_processing_samples": ["--max-num-seqs"],
+                "paged_attention_block_size": ["--block-size"]}
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, (str, os.PathLike)) or not str(self.model):

@@ -79,6 +79,10 @@ def test_engine_args_quantization_and_speculation_flags(tmp_path):
     assert (kw["quantization_group_size"], kw["quantize_lm_head"], kw["keep_gguf_quantization"]) == (64, False, True)
     assert (kw["speculative_model"], kw["num_speculative_tokens"], kw["devices"]) == ("[ngram]:2:4", 3, "cpu")
     assert kw["bucket_config"] == ManualBucketConfig([(1, 64)], [(2, 64)])
+    vllm_names = EngineArgs.from_cli_args(p.parse_args(["m", "--max-model-len", "256", "--max-num-seqs", "8",
+                                                        "--block-size", "32"]))
+    assert (vllm_names.max_seq_len_to_capture, vllm_names.max_processing_samples,
+            vllm_names.paged_attention_block_size) == (256, 8, 32)
     plain = EngineArgs(model="m").llm_kwargs()
     assert not {"llm_config", "quantize_lm_head", "keep_gguf_quantization", "speculative_model"} & set(plain)
     with pytest.raises(ValueError, match="quantization: not a quantization scheme string: 'W9A9'"):
