@@ -119,6 +119,8 @@ class SamplingParams:
         for name in ("n", "top_k", "min_tokens"):
             if not _is_int(getattr(self, name)):
                 raise TypeError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.top_k == 0:  # vLLM's spelling of "no top-k" (as -1)
+            self.top_k = -1
         for name in ("best_of", "max_tokens", "seed", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and not _is_int(v):
@@ -240,8 +242,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}.")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (disable) or at least 1, got {self.top_k}.")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -38,8 +38,7 @@ def test_enums():
         ({"temperature": -1.0}, "temperature", ">= 0"),
         ({"top_p": 0.0}, "top_p", "(0, 1]"),
         ({"top_p": 1.5}, "top_p", "(0, 1]"),
-        ({"top_k": 0}, "top_k", "-1 (disable) or at least 1"),
-        ({"top_k": -2}, "top_k", "-1 (disable) or at least 1"),
+        ({"top_k": -2}, "top_k", "-1 or 0 (disable) or at least 1"),
         ({"min_p": 1.5}, "min_p", "[0, 1]"),
         ({"min_p": -0.1}, "min_p", "[0, 1]"),
         ({"repetition_penalty": 0.0}, "repetition_penalty", "> 0"),
@@ -71,8 +70,9 @@ def test_validation_messages_name_field(kwargs, field, rng):
 def test_exact_messages():
     with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -1.0"):
         SamplingParams(temperature=-1.0)
-    with pytest.raises(ValueError, match=r"^top_k must be -1 \(disable\) or at least 1, got 0"):
-        SamplingParams(top_k=0)
+    with pytest.raises(ValueError, match=r"^top_k must be -1 or 0 \(disable\) or at least 1, got -3"):
+        SamplingParams(top_k=-3)
+    assert SamplingParams(top_k=0, temperature=1.0).top_k == -1  # vLLM's "0 disables"
 
 
 @pytest.mark.parametrize(
