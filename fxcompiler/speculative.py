@@ -135,6 +135,13 @@ def _n_predict(*configs) -> int | None:
     return None
 
 
+def _require_k(req: SpeculativeRequest, draft_config, target_config) -> None:
+    """A draft model needs ``num_speculative_tokens`` or an ``n_predict`` in the draft's or the target's config."""
+    if req.num_speculative_tokens is None and _n_predict(draft_config, target_config) is None:
+        raise ValueError("num_speculative_tokens is required: neither the draft's nor the target's config "
+                         "has n_predict")
+
+
 def build_draft(target, req: SpeculativeRequest):
     """The draft :class:`LLM` (built from an id/path with the target's devices, block size and context)."""
     from .llm import LLM
@@ -210,11 +217,13 @@ def check_before_build(target, req: SpeculativeRequest) -> None:
                              "config has no n_predict)")
         return
     if isinstance(req.model, LLM):
+        _require_k(req, req.model.model_config, target.model_config)
         check_compatible(target, req.model)
         return
     hf = dict(req.llm_kwargs.get("speculative_model_config") or {})
     info = load_model_info(resolve_model_source(str(req.model)), cache_dir=target.cache_dir, hf_overrides=hf)
     cfg = info.config
+    _require_k(req, cfg, target.model_config)
     limit = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     check_compatible(target, SimpleNamespace(model_config=cfg, tokenizer=load_tokenizer(info.model_dir),
                                              max_seq_len_to_capture=limit or target.max_seq_len_to_capture))
@@ -263,10 +272,8 @@ def attach(target, req: SpeculativeRequest) -> None:
     else:
         draft = build_draft(target, req)
         check_compatible(target, draft)
+        _require_k(req, draft.model_config, target.model_config)
         k = req.num_speculative_tokens or _n_predict(draft.model_config, target.model_config)
-        if k is None:
-            raise ValueError("num_speculative_tokens is required: neither the draft's nor the target's config "
-                             "has n_predict")
     target.speculative_llm = draft
     target.num_speculative_tokens = k
     target._speculative_ngram = "[ngram]:%d:%d" % _ngram_sizes(req.model) if req.is_ngram else None  # for artifacts

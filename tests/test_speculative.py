@@ -236,8 +236,19 @@ def test_bad_combinations(tiny_models, base, cache_dir, tmp_path):
     # speculative decoding with the beam-search-only engine
     bad(ValueError, "beam search", speculative_model="[ngram]", num_speculative_tokens=2,
         kv_cache_sharing_across_beams_config=KvCacheSharingAcrossBeamsConfig(2, 16))
-    # no k anywhere
+    # no k anywhere: refused before the target or the draft is compiled
     bad(ValueError, "num_speculative_tokens is required", speculative_model="[ngram]")
+    import fxcompiler.speculative as speculative
+
+    def no_build(*_a, **_k):
+        raise AssertionError("the draft was built before its arguments were checked")
+
+    real_build = speculative.build_draft
+    speculative.build_draft = no_build
+    try:
+        bad(ValueError, "num_speculative_tokens is required: neither the draft's", speculative_model=path)
+    finally:
+        speculative.build_draft = real_build
     # a KV8 draft (its KV cache is float): by config and by qformat, refused before anything is built
     from fxcompiler import LLMConfig, QuantizationConfig
 
