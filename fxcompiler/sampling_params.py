@@ -30,6 +30,7 @@ LIMITS: dict[str, int] = {
     "STOP_STRING_CHARS": 1024,  # characters of one stop string
     "STOP_TOKEN_IDS": 1024,  # entries of stop_token_ids
     "LOGIT_BIAS": 1024,  # entries of logit_bias (OpenAI allows 300)
+    "INPUTS": 2048,  # texts of one embeddings / score / rerank request (OpenAI's embeddings limit)
 }
 
 

@@ -21,6 +21,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..encoder_tasks import EMBED, QA, SCORE, PoolingParams
+from ..sampling_params import limit
 from .app_base import base_app
 from .metrics import PoolingMetrics
 from .protocol import OpenAIError
@@ -64,6 +65,14 @@ class RerankRequest(BaseModel):
     return_documents: bool = True
 
 
+def _check_count(values: Any, param: str) -> None:
+    """At most ``FXCOMPILER_MAX_INPUTS`` (2048) texts in one request (docs/security.md)."""
+    cap = limit("INPUTS")
+    if isinstance(values, list) and len(values) > cap:
+        raise OpenAIError(f"{param} has {len(values)} items, at most {cap} are allowed (FXCOMPILER_MAX_INPUTS)",
+                          param=param)
+
+
 def _prompts(value: Any) -> list[Any]:
     """The ``input`` of an embeddings request as ``LLM.embed`` prompts (token-id lists become dicts)."""
     if isinstance(value, str):
@@ -72,6 +81,7 @@ def _prompts(value: Any) -> list[Any]:
         raise OpenAIError("input must not be empty", param="input")
     if all(isinstance(v, int) for v in value):
         return [{"prompt_token_ids": list(value)}]
+    _check_count(value, "input")
     if all(isinstance(v, list) for v in value):
         if any(not v for v in value):
             raise OpenAIError("input: a token-id list must not be empty", param="input")
@@ -159,6 +169,8 @@ def build_pooling_app(llm: Any, *, api_key: str | None = None, model_name: str |
     @app.post("/score", include_in_schema=False)
     async def score(req: ScoreRequest):
         check_model(req.model)
+        _check_count(req.text_1, "text_1")
+        _check_count(req.text_2, "text_2")
         outs, tokens = await run(lambda: llm.score(req.text_1, req.text_2), "text_1")
         return {"id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
                 "data": [{"index": i, "object": "score", "score": o.outputs.score} for i, o in enumerate(outs)],
@@ -168,6 +180,7 @@ def build_pooling_app(llm: Any, *, api_key: str | None = None, model_name: str |
     @app.post("/rerank", include_in_schema=False)
     async def rerank(req: RerankRequest):
         check_model(req.model)
+        _check_count(req.documents, "documents")
         outs, tokens = await run(lambda: llm.score(req.query, req.documents), "documents")
         order = sorted(range(len(outs)), key=lambda i: -outs[i].outputs.score)  # stable: ties keep input order
         if req.top_n:

@@ -113,6 +113,11 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(emb, cross)
     _error(http.post("/v1/score", json={"text_1": TEXTS[:2], "text_2": TEXTS}), 400, "text_1", "give one text_1")
     _error(cross[1].post("/v1/embeddings", json={"input": "x"}), 400, "model", "is a cross-encoder")
     _error(cross[1].post("/v1/rerank", json={"query": "x", "documents": []}), 400, "documents", "")
+    many = ["x"] * 2049
+    _error(http.post("/v1/embeddings", json={"input": many}), 400, "input", "2049 items, at most 2048")
+    _error(http.post("/v1/embeddings", json={"input": [[5]] * 2049}), 400, "input", "at most 2048")
+    _error(http.post("/v1/score", json={"text_1": "x", "text_2": many}), 400, "text_2", "at most 2048")
+    _error(cross[1].post("/v1/rerank", json={"query": "x", "documents": many}), 400, "documents", "at most 2048")
     m = http.get("/metrics").text
     assert 'fxcompiler:request_success_total{finished_reason="error",model_name="emb"}' in m
     r = http.post("/v1/embeddings", json={"input": TEXTS[1]})  # still serving
