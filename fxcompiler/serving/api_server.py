@@ -496,7 +496,8 @@ def run_server(args: argparse.Namespace) -> int:
     chat_template = load_chat_template(args.chat_template)  # before the engine: a bad flag fails at once
     llm = engine_args.create_llm()
     try:
-        if llm.task == GENERATE:
+        task = llm.__dict__.get("task", GENERATE)  # an artifact's LLM (text generation) has no task attribute
+        if task == GENERATE:
             eng = LLMEngine(llm, engine_args)
             eng.owns_llm = True  # the engine's shutdown shuts the LLM down
             aeng = AsyncLLMEngine(eng)
@@ -507,6 +508,9 @@ def run_server(args: argparse.Namespace) -> int:
         else:  # an embedding model or a cross-encoder
             from .pooling_server import build_pooling_app
 
+            if args.chat_template is not None or args.enable_auto_tool_choice:
+                raise ValueError(f"--chat-template and --enable-auto-tool-choice are for text generation; "
+                                 f"{engine_args.model} is an encoder model (task {task!r})")
             app = build_pooling_app(llm, api_key=args.api_key, model_name=engine_args.model_name)
             close = llm.shutdown
     except BaseException:

@@ -508,3 +508,24 @@ def test_tokenize_detokenize(server, llm):
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
     # as in vLLM, --api-key guards the /v1 routes only
     assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 200
+
+
+def test_serve_an_artifact(server, llm, tmp_path):
+    """``fxcompiler serve ARTIFACT``: a directory from ``fxcompiler build`` is loaded (no export, no passes) and
+    answers as the model it was built from."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "artifact"
+    proc = subprocess.run([sys.executable, "-m", "fxcompiler.cli", "build", str(server.extra["model"]), str(out),
+                           "-pb", "1,64", "-db", "1,512", "--max-seq-len-to-capture", "512", "--threads", "1",
+                           "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    srv = start_server(out, tmp_path, served_name=NAME, base_flags=["--threads", "1"])
+    try:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        r = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        assert r.choices[0].text == llm.generate(PROMPTS[0], greedy()).outputs[0].text
+    finally:
+        assert srv.stop() == 0, srv.log()
+    assert "Traceback" not in srv.log_path.read_text(errors="replace"), srv.log()
