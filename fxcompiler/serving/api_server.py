@@ -131,7 +131,9 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
             for p in prompts:
                 rid = f"cmpl-{uuid.uuid4().hex}"
                 stream_params = params.clone()
-                stream_params.output_kind = RequestOutputKind.DELTA
+                # best_of > n: the n best are known only at the end (and the leading n change on the way)
+                stream_params.output_kind = (RequestOutputKind.FINAL_ONLY if params.best_of > params.n
+                                             else RequestOutputKind.DELTA)
                 try:
                     llm_engine.process_prompt(p, stream_params, tokenizer_kwargs)  # raises before anything runs
                 except (ValueError, TypeError) as exc:
@@ -201,6 +203,11 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         work.cancel()
         return Response(status_code=499)
 
+    def warn_ignored(req) -> None:
+        ignored = req.ignored_fields()
+        if ignored:
+            log.warning("request fields ignored (not supported): %s", ", ".join(ignored))
+
     def logprobs_completion(c, offset0: int):
         tokens, token_lps, tops, offsets = [], [], [], []
         off = offset0
@@ -230,6 +237,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check_model(req.model)
+        warn_ignored(req)
         if req.suffix:
             raise OpenAIError("suffix is not supported", param="suffix")
         p = req.prompt
@@ -259,8 +267,10 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         prompt_tokens = {}
         async for i, out in merged(gens):
             prompt_tokens[i] = len(out.prompt_token_ids)
-            for c in out.outputs:
-                a = acc.setdefault((i, c.index), {"text": "", "ids": [], "lps": [], "finish": None, "prompt": out.prompt})
+            for pos, c in enumerate(out.outputs):
+                # best_of > n (one final output): the choices in its order, most likely first, as LLM.generate
+                j = pos if req.best_of is not None and req.best_of > n else c.index
+                a = acc.setdefault((i, j), {"text": "", "ids": [], "lps": [], "finish": None, "prompt": out.prompt})
                 a["text"] += c.text
                 a["ids"] += c.token_ids
                 a["lps"] += c.logprobs or []
@@ -329,6 +339,7 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
     @app.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, request: Request):
         check_model(req.model)
+        warn_ignored(req)
         if tokenizer is None:
             raise OpenAIError("this model has no tokenizer/chat template", 400)
         try:

@@ -203,6 +203,8 @@ def _merge(into: RequestOutput | None, out: RequestOutput) -> RequestOutput:
         old.cumulative_logprob = c.cumulative_logprob
         old.finish_reason = c.finish_reason
         old.stop_reason = c.stop_reason
+    if out.finished:  # the final output names the completions and their order (best_of > n: the n most likely)
+        into.outputs = [by_index[c.index] for c in out.outputs]
     into.finished = out.finished
     return into
 

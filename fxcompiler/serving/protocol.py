@@ -71,9 +71,13 @@ class _Common(BaseModel):
                 bias = {int(k): float(v) for k, v in self.logit_bias.items()}
             except ValueError:
                 raise OpenAIError("logit_bias keys must be token ids", param="logit_bias") from None
+        best_of = getattr(self, "best_of", None)
+        if best_of is not None and self.stream and best_of != self.n:
+            raise OpenAIError("best_of must equal n when streaming (the best completions are known only at the end)",
+                              param="best_of")
         try:
             return SamplingParams(
-                n=self.n, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
+                n=self.n, best_of=best_of, temperature=pick("temperature", 1.0), top_p=pick("top_p", 1.0), top_k=pick("top_k", -1),
                 min_p=pick("min_p", 0.0), repetition_penalty=pick("repetition_penalty", 1.0),
                 presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 logit_bias=bias, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
@@ -86,6 +90,10 @@ class _Common(BaseModel):
             raise OpenAIError(str(exc), param=first if first in type(self).model_fields else None) from None
         except NotImplementedError as exc:
             raise OpenAIError(str(exc), 501, "NotImplementedError") from None
+
+    def ignored_fields(self) -> list[str]:
+        """Fields the request sent that this server does not know (vLLM logs them and goes on)."""
+        return sorted(self.model_extra or ())
 
     def guided_decoding(self) -> GuidedDecodingParams | None:
         """``response_format`` (json_object / json_schema) or vLLM's ``guided_*`` fields as one constraint."""
@@ -123,6 +131,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)  # OpenAI's: generate best_of, return the n most likely
 
 
 class ChatMessage(BaseModel):

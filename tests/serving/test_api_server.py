@@ -155,6 +155,15 @@ def test_n2_and_seed(client, llm):
                 finished.add(c.index)
     assert finished == {0, 1}
     assert [texts[0], texts[1]] == [c.message.content for c in sorted(full.choices, key=lambda c: c.index)]
+    # best_of (OpenAI's completions): best_of samples, the n most likely returned, as LLM.generate does
+    ref = llm.generate(PROMPTS[1], SamplingParams(n=2, best_of=4, temperature=1.0, seed=5, max_tokens=8))
+    r = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=8, temperature=1.0, seed=5, n=2,
+                                  best_of=4)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == [o.text for o in ref.outputs]
+    with pytest.raises(openai.BadRequestError, match="best_of must equal n when streaming"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, n=1, best_of=2, stream=True)
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, n=3, best_of=2)
 
 
 def test_stop(client, llm):

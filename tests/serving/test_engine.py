@@ -184,6 +184,25 @@ def test_async_engine_streams_every_kind_and_aborts(llm, engine_args):
     assert all(m.first_token is not None for m in metrics if m.finish_reason != "abort")
 
 
+def test_async_engine_best_of_returns_the_n_most_likely(llm, engine_args):
+    """best_of > n: which n completions lead changes while they run; the final (and cumulative-at-the-end)
+    output is exactly LLM.generate's n best, in its order, not every completion that ever led."""
+    params = dict(n=2, best_of=5, temperature=1.0, seed=11, max_tokens=10, ignore_eos=True)
+    want = llm.generate(PROMPTS[0], SamplingParams(**params)).outputs
+
+    async def main():
+        aeng = AsyncLLMEngine(LLMEngine(llm, engine_args))
+        try:
+            return [[o async for o in aeng.generate(PROMPTS[0], SamplingParams(**params, output_kind=kind), str(kind))]
+                    for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE)]
+        finally:
+            aeng.shutdown()
+
+    final, cumulative = asyncio.run(main())
+    for last in (final[-1], cumulative[-1]):
+        assert last.finished and [(c.text, c.token_ids) for c in last.outputs] == [(c.text, c.token_ids) for c in want]
+
+
 def test_slow_consumer_does_not_hold_back_others(llm, engine_args):
     async def main():
         aeng = AsyncLLMEngine(LLMEngine(llm, engine_args))
