@@ -896,6 +896,9 @@ class LLM:
         if is_demo and len(ids[0]) > 1024:
             raise ValueError(f"demo prompts are limited to 1024 tokens, got {len(ids[0])}")
         p = params[0]
+        if p.best_of > p.n:
+            raise ValueError(f"stream_generate: best_of ({p.best_of}) must equal n ({p.n}): the best completions "
+                             "are known only at the end (use generate)")
         p.output_kind = RequestOutputKind.DELTA
         rid = uuid.uuid4().hex
         self._live.add(rid)

@@ -249,6 +249,13 @@ def test_stream_generate_yields_every_completion(llm):
     assert text == ref.outputs[0].text + ref.outputs[1].text
     assert ref.outputs[1].text and len(text) > len(ref.outputs[0].text)
 
+    async def best_of():
+        return [d async for d in llm.stream_generate("import sys", SamplingParams(n=1, best_of=3, temperature=1.0))]
+
+    with pytest.raises(ValueError, match=r"stream_generate: best_of \(3\) must equal n \(1\)"):
+        asyncio.run(best_of())
+    assert not llm.engine.requests
+
 
 def _text(llm, prompt: str, **kw) -> str:
     return llm.generate([prompt], SamplingParams(**kw))[0].outputs[0].text
