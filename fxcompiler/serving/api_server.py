@@ -220,6 +220,56 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
             off += len(text)
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
 
+    def logprobs_prompt(prompt_ids: list[int], prompt_lps: list | None, top: int) -> dict:
+        """The echoed prompt's tokens in OpenAI's completion logprobs: the first has none (``null``), as in
+        vLLM; each other one its log-probability and the ``top`` most likely tokens (and itself)."""
+        tokens, token_lps, tops, offsets = [], [], [], []
+        off = 0
+        for pos, tok in enumerate(prompt_ids):
+            text = tokenizer.decode([tok]) if tokenizer is not None else str(tok)
+            entry = prompt_lps[pos] if prompt_lps is not None and pos < len(prompt_lps) else None
+            tokens.append(text)
+            offsets.append(off)
+            off += len(text)
+            if entry is None:
+                token_lps.append(None)
+                tops.append(None)
+                continue
+            token_lps.append(entry[tok].logprob if tok in entry else None)
+            tops.append({(tokenizer.decode([t]) if tokenizer else str(t)): lp.logprob for t, lp in entry.items()
+                         if t == tok or (lp.rank is not None and lp.rank <= top)})
+        return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def prompt_logprobs_json(prompt_ids: list[int], prompt_lps: list | None, top: int) -> list | None:
+        """vLLM's ``prompt_logprobs`` of a choice: per prompt position ``null`` or ``{token id: {logprob, rank,
+        decoded_token}}`` (the prompt's token and the ``top`` most likely)."""
+        if prompt_lps is None:
+            return None
+        return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                                 "decoded_token": lp.decoded_token} for t, lp in e.items()
+                                        if t == prompt_ids[pos] or (lp.rank is not None and lp.rank <= top)}
+                for pos, e in enumerate(prompt_lps)]
+
+    def prompt_text(out) -> str:
+        """What ``echo`` repeats: the prompt as sent, or its token ids decoded."""
+        if out.prompt is not None:
+            return out.prompt
+        return tokenizer.decode(out.prompt_token_ids) if tokenizer is not None else ""
+
+    def prompt_chunk(req, out, index: int) -> tuple[dict, int]:
+        """The choice's first streamed chunk when it echoes the prompt or returns prompt_logprobs; and the
+        text offset the completion's logprobs continue from."""
+        choice = {"index": index, "text": prompt_text(out) if req.echo else "", "finish_reason": None,
+                  "logprobs": None}
+        offset = len(choice["text"])
+        if req.echo and req.logprobs is not None:
+            choice["logprobs"] = logprobs_prompt(out.prompt_token_ids, out.prompt_logprobs, req.logprobs)
+            offset = sum(len(t) for t in choice["logprobs"]["tokens"])
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_json(out.prompt_token_ids, out.prompt_logprobs,
+                                                             req.prompt_logprobs)
+        return choice, offset
+
     def logprobs_chat(c, top: int):
         content = []
         for tok, entry in zip(c.token_ids, c.logprobs or []):
@@ -253,6 +303,11 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
             raise OpenAIError("prompt must be a non-empty string, list of strings or token ids", param="prompt")
         max_tokens = req.max_tokens if req.max_tokens is not None else defaults.get("max_tokens", 16)
         params = req.sampling_params(defaults, max_tokens, req.logprobs)
+        # the prompt's log-probabilities: vLLM's prompt_logprobs, and echo with logprobs (OpenAI's: the echoed
+        # prompt's tokens are scored too; lm-eval's loglikelihood requests rely on it)
+        wanted = [k for k in (req.prompt_logprobs, req.logprobs if req.echo else None) if k is not None]
+        if wanted:
+            params.prompt_logprobs = max(wanted)
         gens = await start(prompts, params)
         rid = f"cmpl-{uuid.uuid4().hex}"
         created = int(time.time())
@@ -264,13 +319,17 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
 
     async def full_completion(gens, rid, created, req, n):
         acc: dict[tuple[int, int], dict] = {}
-        prompt_tokens = {}
+        prompt_tokens, prompt_ids, prompt_lps = {}, {}, {}
         async for i, out in merged(gens):
             prompt_tokens[i] = len(out.prompt_token_ids)
+            prompt_ids[i] = out.prompt_token_ids
+            if out.prompt_logprobs is not None:
+                prompt_lps[i] = out.prompt_logprobs
             for pos, c in enumerate(out.outputs):
                 # best_of > n (one final output): the choices in its order, most likely first, as LLM.generate
                 j = pos if req.best_of is not None and req.best_of > n else c.index
-                a = acc.setdefault((i, j), {"text": "", "ids": [], "lps": [], "finish": None, "prompt": out.prompt})
+                a = acc.setdefault((i, j), {"text": "", "ids": [], "lps": [], "finish": None,
+                                            "prompt": prompt_text(out) if req.echo else ""})
                 a["text"] += c.text
                 a["ids"] += c.token_ids
                 a["lps"] += c.logprobs or []
@@ -280,9 +339,19 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
             from ..outputs import CompletionOutput
 
             c = CompletionOutput(j, a["text"], a["ids"], logprobs=a["lps"])
-            text = (a["prompt"] or "") + a["text"] if req.echo else a["text"]
-            choices.append({"index": i * n + j, "text": text, "finish_reason": _finish(a["finish"]),
-                            "logprobs": logprobs_completion(c, 0) if req.logprobs is not None else None})
+            text = a["prompt"] + a["text"] if req.echo else a["text"]
+            logprobs = None
+            if req.logprobs is not None:
+                if req.echo:
+                    head = logprobs_prompt(prompt_ids[i], prompt_lps.get(i), req.logprobs)
+                    tail = logprobs_completion(c, sum(len(t) for t in head["tokens"]))
+                    logprobs = {k: head[k] + tail[k] for k in head}
+                else:
+                    logprobs = logprobs_completion(c, 0)
+            choice = {"index": i * n + j, "text": text, "finish_reason": _finish(a["finish"]), "logprobs": logprobs}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(prompt_ids[i], prompt_lps.get(i), req.prompt_logprobs)
+            choices.append(choice)
         completion = sum(len(a["ids"]) for a in acc.values())
         ptoks = sum(prompt_tokens.values())
         return {"id": rid, "object": "text_completion", "created": created, "model": name, "choices": choices,
@@ -297,6 +366,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
         head = ('data: {"id": ' + json.dumps(rid) + ', "object": "text_completion", "created": '
                 + json.dumps(created) + ', "model": ' + json.dumps(name) + ', "choices": [{"index": ')
         with_logprobs = req.logprobs is not None
+        leading = req.echo or req.prompt_logprobs is not None  # each choice starts with a chunk of its prompt
+        started: set[int] = set()
         dumps = json.dumps
         single = len(gens) == 1  # one prompt: its stream read directly (one generator less per token)
         source = gens[0][1] if single else merged(gens)
@@ -306,6 +377,11 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
                 prompt_tokens[i] = len(out.prompt_token_ids)
                 for c in out.outputs:
                     completion += len(c.token_ids)
+                    if leading and i * n + c.index not in started:
+                        started.add(i * n + c.index)
+                        choice, text_len[i * n + c.index] = prompt_chunk(req, out, i * n + c.index)
+                        yield "data: " + json.dumps({"id": rid, "object": "text_completion", "created": created,
+                                                     "model": name, "choices": [choice]}) + "\n\n"
                     # tokens whose text the detokenizer holds back (a partial UTF-8 character) still
                     # send their logprobs, as vLLM does; without logprobs they wait for their text
                     if not c.text and c.finish_reason is None and not (with_logprobs and c.token_ids):

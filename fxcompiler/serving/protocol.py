@@ -132,6 +132,7 @@ class CompletionRequest(_Common):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1)  # OpenAI's: generate best_of, return the n most likely
+    prompt_logprobs: int | None = Field(None, ge=0, le=20)  # vLLM's: per prompt position, in each choice
 
 
 class ChatMessage(BaseModel):

@@ -194,6 +194,48 @@ def test_logprobs(client, llm):
                and t.logprob == pytest.approx(t.top_logprobs[0].logprob, abs=1e-4) for t in content)
 
 
+def test_echo_scores_the_prompt_and_prompt_logprobs(client, llm):
+    """echo with logprobs scores the echoed prompt too (the first token null, as vLLM; what lm-eval's
+    loglikelihood requests read), streamed or not; vLLM's prompt_logprobs per choice."""
+    ref = llm.generate(PROMPTS[3], greedy(3, logprobs=2, prompt_logprobs=2))
+    ids, out = ref.prompt_token_ids, ref.outputs[0]
+    P = len(ids)
+    r = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=3, temperature=0, logprobs=2, echo=True)
+    choice = r.choices[0]
+    assert choice.text == PROMPTS[3] + out.text
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == P + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    want = [ref.prompt_logprobs[p][ids[p]].logprob for p in range(1, P)] + \
+        [e[t].logprob for t, e in zip(out.token_ids, out.logprobs)]
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert all(2 <= len(t) <= 3 for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # streamed: the first chunk echoes the prompt with its logprobs, the rest continue the offsets
+    chunks = list(client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=3, temperature=0, logprobs=2,
+                                            echo=True, stream=True))
+    assert chunks[0].choices[0].text == PROMPTS[3]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == choice.text
+    streamed = [x for ch in chunks if ch.choices for x in ch.choices[0].logprobs.token_logprobs]
+    offsets = [x for ch in chunks if ch.choices for x in ch.choices[0].logprobs.text_offset]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    # the prompt's offsets are the same; the completion's follow the text sent so far (a token whose text the
+    # detokenizer holds back, a partial UTF-8 character, moves them later than its decoded length would)
+    assert offsets[:P + 1] == lp.text_offset[:P + 1] and offsets == sorted(offsets)
+    # echo without logprobs, and a token-id prompt: its tokens decoded
+    plain = client.completions.create(model=NAME, prompt=ids, max_tokens=3, temperature=0, echo=True)
+    assert plain.choices[0].text == llm.tokenizer.decode(ids) + out.text
+    # vLLM's prompt_logprobs: per position null or {token id: {logprob, rank, decoded_token}}
+    r = client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=2, temperature=0,
+                                  extra_body={"prompt_logprobs": 1})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(got) == P and got[0] is None
+    for p in range(1, P):
+        entry = got[p][str(ids[p])]
+        assert entry["logprob"] == pytest.approx(ref.prompt_logprobs[p][ids[p]].logprob, abs=1e-4)
+        assert 1 <= len(got[p]) <= 2 and any(v["rank"] == 1 for v in got[p].values())
+
+
 SCHEMA = {"type": "object", "properties": {"color": {"enum": ["red", "green"]},
                                            "n": {"type": "integer", "minimum": 0, "maximum": 9}},
           "required": ["color", "n"], "additionalProperties": False}
