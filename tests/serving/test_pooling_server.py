@@ -137,6 +137,20 @@ def test_serve_an_embedding_checkpoint(models, tmp_path):
         assert np.allclose([d.embedding for d in got.data], want, atol=1e-12, rtol=0)
         r = httpx.post(srv.base_url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
         assert r.status_code == 400 and "/v1/embeddings" in r.json()["error"]["message"]
+        # concurrent requests (run one at a time by the server), good and bad mixed: each gets its own answer
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(k: int):
+            body = {"input": [10 ** 6]} if k % 3 == 0 else {"input": TEXTS[k % 3], "encoding_format": "float"}
+            return k, httpx.post(srv.base_url + "/v1/embeddings", json=body, timeout=120)
+
+        with ThreadPoolExecutor(8) as pool:
+            for k, r in pool.map(one, range(12)):
+                if k % 3 == 0:
+                    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+                else:
+                    assert np.allclose(r.json()["data"][0]["embedding"], want[k % 3], atol=1e-12, rtol=0)
+        assert httpx.get(srv.base_url + "/health").status_code == 200
     finally:
         assert srv.stop() == 0, srv.log()
     assert "Traceback" not in srv.log_path.read_text(errors="replace"), srv.log()
