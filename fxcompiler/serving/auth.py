@@ -1,5 +1,6 @@
-"""``--api-key``: a pure ASGI middleware that answers ``/v1`` requests without ``Authorization: Bearer <key>``
-with OpenAI's 401 body.
+"""``--api-key``: a pure ASGI middleware that answers requests to the model's routes (``/v1``, and the
+``/tokenize``, ``/detokenize``, ``/score``, ``/rerank`` ones outside it) without ``Authorization: Bearer <key>``
+with OpenAI's 401 body. ``/``, ``/health``, ``/version`` and ``/metrics`` stay open (probes and scrapers).
 
 Pure ASGI, not Starlette's ``@app.middleware("http")`` (``BaseHTTPMiddleware``): that one re-streams every
 response body through an anyio memory stream and a second task, a few task hops and checkpoints per SSE
@@ -20,8 +21,12 @@ ASGIApp = Callable[[Scope, Callable, Callable], Awaitable[None]]
 __all__ = ["APIKeyMiddleware"]
 
 
+# vLLM guards /v1 only; the routes that run the model or its tokenizer outside /v1 are guarded here too
+PROTECTED = ("/v1", "/tokenize", "/detokenize", "/score", "/rerank")
+
+
 class APIKeyMiddleware:
-    """Require ``Authorization: Bearer <api_key>`` on HTTP requests under ``/v1``."""
+    """Require ``Authorization: Bearer <api_key>`` on HTTP requests to :data:`PROTECTED` paths."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         if not api_key:
@@ -30,7 +35,7 @@ class APIKeyMiddleware:
         self._expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Callable, send: Callable) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and not self._authorised(scope):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED) and not self._authorised(scope):
             exc = OpenAIError("invalid or missing API key", 401, "AuthenticationError")
             await JSONResponse(exc.body(), status_code=exc.status)(scope, receive, send)
             return

@@ -557,8 +557,10 @@ def test_tokenize_detokenize(server, llm):
     assert r.status_code == 200 and r.json() == {"prompt": llm.tokenizer.decode(ids)}
     r = httpx.post(server.base_url + "/detokenize", json={"tokens": [-1]}, headers=headers)
     assert r.status_code == 400 and r.json()["error"]["param"] == "tokens"
-    # as in vLLM, --api-key guards the /v1 routes only
-    assert httpx.post(server.base_url + "/tokenize", json={"prompt": "x"}).status_code == 200
+    # --api-key guards the tokenizer routes too (vLLM leaves them open)
+    for route in ("/tokenize", "/detokenize"):
+        r = httpx.post(server.base_url + route, json={"prompt": "x", "tokens": [1]})
+        assert r.status_code == 401 and r.json()["error"]["code"] == 401
 
 
 def test_serve_an_artifact(server, llm, tmp_path):

@@ -51,6 +51,16 @@ def test_other_routes_need_no_key(http):
     assert http.get("/health").status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/score", "/rerank"])
+def test_model_routes_outside_v1_need_the_key(path):
+    app = FastAPI()
+    app.post(path)(lambda: {"ok": True})
+    app.add_middleware(APIKeyMiddleware, api_key=KEY)
+    http = TestClient(app)
+    assert http.post(path).status_code == 401
+    assert http.post(path, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+
+
 def test_empty_key_is_refused():
     with pytest.raises(ValueError, match="api_key"):
         APIKeyMiddleware(FastAPI(), "")
