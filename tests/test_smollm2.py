@@ -157,7 +157,7 @@ def test_bad_inputs_raise_specific_errors(llm):
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="top_k"):
-        SamplingParams(top_k=0)
+        SamplingParams(top_k=-2)
     with pytest.raises(TypeError, match="prompts"):
         llm.generate(123)
     with pytest.raises(ValueError, match="prompts\\[0\\] is empty"):
