@@ -14,10 +14,10 @@ import logging
 from collections import OrderedDict
 from typing import Any, Sequence
 
-import numpy as np
 import torch
 
 from fxcompiler.guided_decoding import GuidedDecodingParams
+from fxcompiler.ops.sampling import apply_token_bitmask
 
 log = logging.getLogger("fxcompiler.structured_output")
 
@@ -130,40 +130,14 @@ def fill_masks(states: Sequence[GrammarState], bitmask: torch.Tensor) -> None:
         s.fill_mask(bitmask[j])
 
 
-def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The bool [rows, vocab] view of an int32 token bitmask (bit t % 32 of word t // 32 = token t)."""
-    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=1, bitorder="little")
-    return torch.from_numpy(bits[:, :vocab]).view(torch.bool)
-
-
-_NEG_INF_BITS = torch.tensor(-8388608, dtype=torch.int32)  # 0xFF800000, float32 -inf
-
-
-def mask_bias(allowed: torch.Tensor) -> torch.Tensor:
-    """float32 0 where ``allowed``, -inf elsewhere, built with integer ops on the bit patterns (a bool
-    ``masked_fill`` over a [16, 49152] batch costs ~2 ms on CPU; this and an add ~0.3 ms)."""
-    return ((allowed.view(torch.uint8).to(torch.int32) - 1) & _NEG_INF_BITS).view(torch.float32)
-
-
 def mask_logits(logits: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
-    """``logits`` [B, V] with the rows of constrained sequences masked (a copy; others unchanged)."""
+    """``logits`` [B, V] with the rows of constrained sequences masked (a copy; others unchanged), through
+    ``fxc::apply_token_bitmask`` (on CPU one pass per row; its ATen reference unpacks the bits and masked_fills:
+    ~0.4 ms a step more for 16 rows of SmolLM2's 49152 tokens)."""
     idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not idx:
         return logits
-    vocab = logits.shape[1]
-    words = (vocab + 31) // 32
+    words = (logits.shape[1] + 31) // 32
     bitmask = torch.zeros(len(idx), words, dtype=torch.int32)
     fill_masks([seqs[i].grammar for i in idx], bitmask)
-    allowed = allowed_tokens(bitmask, vocab)
-    if logits.dtype != torch.float32 or logits.device.type != "cpu":
-        out = logits.clone()
-        rows = torch.tensor(idx, device=logits.device)
-        out[rows] = out[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
-        return out
-    bias = mask_bias(allowed)
-    if len(idx) == logits.shape[0]:
-        return logits + bias
-    out = logits.clone()
-    rows = torch.tensor(idx)
-    out[rows] = logits[rows] + bias
-    return out
+    return apply_token_bitmask(logits, bitmask.to(logits.device), torch.tensor(idx, device=logits.device))

@@ -10,8 +10,9 @@ from .moe import moe, moe_reference
 from .fused import rms_norm, rms_norm_reference, rope, rope_reference, silu_mul, silu_mul_reference
 from .paged_attention import (paged_attention, paged_attention_reference, qkv_paged_attention,
                               qkv_paged_attention_reference)
-from .sampling import greedy_logprob, greedy_logprob_reference
+from .sampling import (apply_token_bitmask, apply_token_bitmask_reference, greedy_logprob,
+                       greedy_logprob_reference)
 
-__all__ = ["greedy_logprob", "greedy_logprob_reference", "moe", "moe_reference", "paged_attention", "paged_attention_reference",
+__all__ = ["apply_token_bitmask", "apply_token_bitmask_reference", "greedy_logprob", "greedy_logprob_reference", "moe", "moe_reference", "paged_attention", "paged_attention_reference",
            "qkv_paged_attention", "qkv_paged_attention_reference", "rms_norm", "rms_norm_reference", "rope", "rope_reference", "silu_mul",
            "silu_mul_reference"]

@@ -1,4 +1,5 @@
-"""``fxc::greedy_logprob``: the greedy sampler's hot path as one op.
+"""``fxc::greedy_logprob``: the greedy sampler's hot path as one op; ``fxc::apply_token_bitmask``: structured
+output's grammar masks applied to the logits.
 
 For logits ``[B, V]`` it returns the index of each row's maximum (the first one on ties; NaN
 counts as the maximum, as in ``torch.max``) and its log-probability ``max - logsumexp(row)``.
@@ -31,3 +32,49 @@ def _fake(logits):
 
 
 greedy_logprob = torch.ops.fxc.greedy_logprob.default
+
+
+# --- fxc::apply_token_bitmask ------------------------------------------------------------------------------------
+# A copy of logits [B, V] in which row rows[j] keeps the tokens bitmask[j] allows (bit t % 32 of int32 word
+# t // 32: llguidance's and xgrammar's layout) and holds -inf at every other token. The ATen reference unpacks
+# the bits and masked_fills; backends/cpu installs a kernel that blends each row in one pass.
+_lib.define("apply_token_bitmask(Tensor logits, Tensor bitmask, Tensor rows) -> Tensor")
+
+
+def unpack_token_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The bool [rows, vocab] view of an int32 token bitmask (bit t % 32 of word t // 32 = token t)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.to(torch.int32)[:, :, None] >> shifts) & 1
+    return bits.reshape(bitmask.shape[0], bitmask.shape[1] * 32)[:, :vocab].bool()
+
+
+def _check_bitmask_args(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"fxc::apply_token_bitmask: logits must be [B, V], got {tuple(logits.shape)}")
+    words = (logits.shape[1] + 31) // 32
+    if bitmask.dim() != 2 or bitmask.dtype != torch.int32 or bitmask.shape[1] != words:
+        raise ValueError(f"fxc::apply_token_bitmask: bitmask must be int32 [R, {words}] for V={logits.shape[1]}, "
+                         f"got {bitmask.dtype} {tuple(bitmask.shape)}")
+    if rows.dim() != 1 or rows.dtype != torch.long or rows.shape[0] != bitmask.shape[0]:
+        raise ValueError(f"fxc::apply_token_bitmask: rows must be int64 [{bitmask.shape[0]}], got "
+                         f"{rows.dtype} {tuple(rows.shape)}")
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    _check_bitmask_args(logits, bitmask, rows)
+    out = logits.clone()
+    if rows.numel():
+        allowed = unpack_token_bitmask(bitmask, logits.shape[1]).to(logits.device)
+        out[rows] = out[rows].masked_fill(~allowed, float("-inf"))
+    return out
+
+
+_lib.impl("apply_token_bitmask", apply_token_bitmask_reference, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("fxc::apply_token_bitmask", lib=_lib)
+def _fake_bitmask(logits, bitmask, rows):
+    return torch.empty_like(logits)
+
+
+apply_token_bitmask = torch.ops.fxc.apply_token_bitmask.default

@@ -16,7 +16,9 @@ using namespace at;  // the torch:: names below (Tensor, empty, kLong, ...) are 
 
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <type_traits>
 #include <vector>
 #ifdef __AVX512F__
@@ -430,6 +432,57 @@ std::tuple<torch::Tensor, torch::Tensor> fxc_greedy_logprob_cpu(torch::Tensor lo
   auto x = logits.scalar_type() == at::kFloat || logits.scalar_type() == at::kDouble ? logits : logits.to(at::kFloat);
   auto [vals, idx] = x.max(-1);
   return {idx, vals - x.logsumexp(-1)};
+}
+
+// fxc::apply_token_bitmask: a copy of fp32 logits [B, V] in which row rows[j] keeps the tokens whose bit is set in
+// bitmask[j] (bit t % 32 of int32 word t / 32) and holds -inf elsewhere: masked_fill's result, in one pass per row
+// (the ATen reference unpacks the bits into a [R, V] bool tensor first).
+torch::Tensor fxc_apply_token_bitmask_cpu(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows) {
+  TORCH_CHECK(logits.dim() == 2, "fxc::apply_token_bitmask: logits must be [B, V], got ", logits.sizes());
+  const int64_t B = logits.size(0), V = logits.size(1), W = (V + 31) / 32;
+  TORCH_CHECK(bitmask.dim() == 2 && bitmask.scalar_type() == at::kInt && bitmask.size(1) == W,
+              "fxc::apply_token_bitmask: bitmask must be int32 [R, ", W, "] for V=", V, ", got ", bitmask.sizes());
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.size(0) == bitmask.size(0),
+              "fxc::apply_token_bitmask: rows must be int64 [", bitmask.size(0), "], got ", rows.sizes());
+  auto x = logits.contiguous();
+  auto m = bitmask.contiguous();
+  auto r = rows.contiguous();
+  auto out = at::empty_like(x);
+  const int32_t* mp = m.data_ptr<int32_t>();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  std::vector<int64_t> mask_of(B, -1);  // bitmask row of each logits row, -1: a plain copy
+  for (int64_t j = 0; j < r.size(0); ++j) {
+    TORCH_CHECK(rp[j] >= 0 && rp[j] < B, "fxc::apply_token_bitmask: rows[", j, "]=", rp[j], " is outside [0, ", B, ")");
+    mask_of[rp[j]] = j;
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "fxc::apply_token_bitmask", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const scalar_t neg_inf = -std::numeric_limits<scalar_t>::infinity();
+    at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t b = begin; b < end; ++b) {
+        const scalar_t* xr = xp + b * V;
+        scalar_t* orow = op + b * V;
+        if (mask_of[b] < 0) {
+          std::memcpy(orow, xr, sizeof(scalar_t) * V);
+          continue;
+        }
+        const uint32_t* w = reinterpret_cast<const uint32_t*>(mp + mask_of[b] * W);
+        int64_t i = 0;
+#ifdef __AVX512F__
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          const __m512 vneg = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+          for (; i + 16 <= V; i += 16) {
+            const __mmask16 keep = static_cast<__mmask16>(w[i >> 5] >> (i & 31));
+            _mm512_storeu_ps(orow + i, _mm512_mask_loadu_ps(vneg, keep, xr + i));
+          }
+        }
+#endif
+        for (; i < V; ++i) orow[i] = (w[i >> 5] >> (i & 31)) & 1u ? xr[i] : neg_inf;
+      }
+    });
+  });
+  return out;
 }
 
 // For the loader's check: each row of a contiguous fp32 [R, n] tensor summed in ATen's order at a given width.

@@ -53,6 +53,7 @@ torch::Tensor fxc_rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps
 torch::Tensor fxc_silu_mul_cpu(torch::Tensor gate, torch::Tensor up);
 torch::Tensor fxc_rope_cpu(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 std::tuple<torch::Tensor, torch::Tensor> fxc_greedy_logprob_cpu(torch::Tensor logits);
+torch::Tensor fxc_apply_token_bitmask_cpu(torch::Tensor logits, torch::Tensor bitmask, torch::Tensor rows);
 torch::Tensor fxc_aten_row_sums(torch::Tensor x, int64_t lanes);
 extern int g_aten_sum_lanes;
 // The multi-token (flash) attention kernel, csrc/flash_attention.cpp.
@@ -864,6 +865,7 @@ void register_cpu_kernels(int64_t aten_sum_lanes) {
   g_cpu_impls->impl("silu_mul", TORCH_FN(fxc_silu_mul_cpu));
   g_cpu_impls->impl("rope", TORCH_FN(fxc_rope_cpu));
   g_cpu_impls->impl("greedy_logprob", TORCH_FN(fxc_greedy_logprob_cpu));
+  g_cpu_impls->impl("apply_token_bitmask", TORCH_FN(fxc_apply_token_bitmask_cpu));
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {

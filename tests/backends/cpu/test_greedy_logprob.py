@@ -78,7 +78,7 @@ def test_special_rows_and_other_dtypes():
         torch.ops.fxc.greedy_logprob(torch.zeros(2, 3, 4))
 
 
-@pytest.mark.parametrize("op", ["paged_attention", "rms_norm", "silu_mul", "rope", "greedy_logprob"])
+@pytest.mark.parametrize("op", ["paged_attention", "rms_norm", "silu_mul", "rope", "greedy_logprob", "apply_token_bitmask"])
 def test_cpu_kernels_are_registered_in_cpp(op):
     """install() registers the C++ functions themselves: a call never passes through Python."""
     table = torch._C._dispatch_dump(f"fxc::{op}")
