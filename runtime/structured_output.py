@@ -132,8 +132,7 @@ def fill_masks(states: Sequence[GrammarState], bitmask: torch.Tensor) -> None:
 
 def mask_logits(logits: torch.Tensor, seqs: Sequence[Any]) -> torch.Tensor:
     """``logits`` [B, V] with the rows of constrained sequences masked (a copy; others unchanged), through
-    ``fxc::apply_token_bitmask`` (on CPU one pass per row; its ATen reference unpacks the bits and masked_fills:
-    ~0.4 ms a step more for 16 rows of SmolLM2's 49152 tokens)."""
+    ``fxc::apply_token_bitmask`` (on CPU one C++ pass per row)."""
     idx = [i for i, s in enumerate(seqs) if s.grammar is not None]
     if not idx:
         return logits
