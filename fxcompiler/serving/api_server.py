@@ -23,7 +23,7 @@ from fastapi.responses import HTMLResponse, Response, StreamingResponse
 
 from ..encoder_tasks import GENERATE
 from ..engine_args import EngineArgs
-from .app_base import base_app
+from .app_base import add_status_routes, base_app
 from .cli_args import add_serve_args  # noqa: F401 - re-exported
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind
@@ -110,19 +110,8 @@ def build_app(engine: AsyncLLMEngine, *, api_key: str | None = None, model_name:
     async def index():
         return HTMLResponse(page, headers={"Content-Security-Policy": _PAGE_CSP, "Cache-Control": "no-cache"})
 
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200 if engine.dead is None else 503)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "fxcompiler", "root": llm_engine.llm.model_id,
-                                            "max_model_len": llm_engine.max_model_len}]}
+    add_status_routes(app, name=name, root=llm_engine.llm.model_id, max_model_len=llm_engine.max_model_len,
+                      healthy=lambda: engine.dead is None, metrics=metrics.render)
 
     async def start(prompts: list[Any], params, tokenizer_kwargs=None) -> list[tuple[str, AsyncIterator]]:
         """Validate every prompt before streaming any (errors become 400s)."""

@@ -2,11 +2,12 @@
 the model-name check (one model per server)."""
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from .auth import APIKeyMiddleware
 from .protocol import OpenAIError
@@ -47,3 +48,22 @@ def base_app(name: str, api_key: str | None) -> tuple[FastAPI, Callable[[str | N
             raise OpenAIError(f"The model `{model}` does not exist.", 404, "NotFoundError", "model")
 
     return app, check_model
+
+
+def add_status_routes(app: FastAPI, *, name: str, root: str, max_model_len: int, healthy: Callable[[], bool],
+                      metrics: Callable[[], bytes]) -> None:
+    """``/health`` (503 once ``healthy()`` is false), ``/metrics`` (Prometheus text) and ``/v1/models`` (this one
+    model)."""
+
+    @app.get("/health")
+    async def health():
+        return Response(status_code=200 if healthy() else 503)
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
+                                            "owned_by": "fxcompiler", "root": root, "max_model_len": max_model_len}]}

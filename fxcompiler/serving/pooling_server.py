@@ -17,12 +17,11 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..encoder_tasks import EMBED, QA, SCORE, PoolingParams
 from ..sampling_params import limit
-from .app_base import base_app
+from .app_base import add_status_routes, base_app
 from .metrics import PoolingMetrics
 from .protocol import OpenAIError
 from .tokenize_routes import add_tokenizer_routes
@@ -137,19 +136,8 @@ def build_pooling_app(llm: Any, *, api_key: str | None = None, model_name: str |
     app.post("/v1/completions")(wrong_api("Completions API", use))
     app.post("/v1/chat/completions")(wrong_api("Chat Completions API", use))
 
-    @app.get("/health")
-    async def health():
-        return Response(status_code=200)
-
-    @app.get("/metrics")
-    async def prometheus():
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(time.time()),
-                                            "owned_by": "fxcompiler", "root": llm.model_id,
-                                            "max_model_len": max_len}]}
+    add_status_routes(app, name=name, root=llm.model_id, max_model_len=max_len, healthy=lambda: True,
+                      metrics=metrics.render)
 
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):
