@@ -16,8 +16,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .encoder_tasks import (EMBED, QA, SCORE, EmbeddingOutput, EmbeddingRequestOutput, PoolerConfig, PoolingParams,
-                            QuestionAnsweringOutput, ScoringOutput, ScoringRequestOutput, sentence_transformers_pooling)
+from .encoder_tasks import (EMBED, QA, SCORE, ClassificationOutput, ClassificationRequestOutput, EmbeddingOutput,
+                            EmbeddingRequestOutput, PoolerConfig, PoolingParams, QuestionAnsweringOutput,
+                            ScoringOutput, ScoringRequestOutput, sentence_transformers_pooling)
 from .outputs import CompletionOutput, RequestOutput
 
 _DEFAULT_MAX_SEQ_LEN = 2048  # LLM's max_seq_len_to_capture default: an encoder then takes its model's maximum
@@ -312,7 +313,7 @@ def score(llm, text_1, text_2) -> list[ScoringRequestOutput]:
         return outs
     if llm.geometry.num_labels != 1:
         raise ValueError(f"LLM.score needs a cross-encoder with one label; this model has num_labels="
-                         f"{llm.geometry.num_labels}")
+                         f"{llm.geometry.num_labels} (LLM.classify gives its class probabilities)")
     encoded = []
     for a, b in pairs:
         if isinstance(a, dict) or isinstance(b, dict):
@@ -322,6 +323,22 @@ def score(llm, text_1, text_2) -> list[ScoringRequestOutput]:
     act = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "identity": lambda x: x}[state.activation]
     for (ids, _), logit in zip(encoded, logits):
         outs.append(ScoringRequestOutput(uuid.uuid4().hex, ScoringOutput(float(act(logit[0]))), ids))
+    return outs
+
+
+def classify(llm, prompts) -> list[ClassificationRequestOutput]:
+    """vLLM's ``LLM.classify``: the class probabilities of each input of a ``*ForSequenceClassification``
+    checkpoint (``task_type='score'``): softmax over its labels, or the model's activation on the one logit of a
+    one-label model (as ``score``). ``prompts``: strings or ``{'prompt_token_ids': [...]}`` dicts."""
+    state = _state(llm, "classify", (SCORE,))
+    items, _ = _as_list(prompts, "prompts")
+    encoded = [_encode_one(llm, p) for p in items]
+    logits = state.runner.run(_rows(llm, encoded))
+    act = {"sigmoid": torch.sigmoid, "tanh": torch.tanh, "identity": lambda x: x}[state.activation]
+    outs = []
+    for (ids, _), logit in zip(encoded, logits):
+        probs = act(logit) if logit.shape[-1] == 1 else torch.softmax(logit.double(), dim=-1)
+        outs.append(ClassificationRequestOutput(uuid.uuid4().hex, ClassificationOutput(probs.tolist()), ids))
     return outs
 
 

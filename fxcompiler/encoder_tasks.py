@@ -26,6 +26,7 @@ from pathlib import Path
 
 __all__ = ["QA", "EMBED", "SCORE", "GENERATE", "ENCODER_FAMILIES", "PoolerConfig", "PoolingParams",
            "EmbeddingOutput", "EmbeddingRequestOutput", "ScoringOutput", "ScoringRequestOutput",
+           "ClassificationOutput", "ClassificationRequestOutput",
            "QuestionAnsweringOutput", "resolve_task", "infer_task", "POOLING_TYPES"]
 
 QA, EMBED, SCORE, GENERATE = "question-answering", "embed", "score", "text-generation"
@@ -189,6 +190,27 @@ class ScoringRequestOutput:
 
     request_id: str
     outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+
+@dataclass
+class ClassificationOutput:
+    """vLLM's ``ClassificationOutput``: the class probabilities of one input."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """vLLM's ``ClassificationRequestOutput``: ``.outputs.probs`` of one input."""
+
+    request_id: str
+    outputs: ClassificationOutput
     prompt_token_ids: list[int]
     finished: bool = True
 

@@ -850,6 +850,13 @@ class LLM:
 
         return score(self, text_1, text_2)
 
+    def classify(self, prompts):
+        """vLLM's class probabilities of a ``*ForSequenceClassification`` checkpoint (``task_type='score'``): a list
+        of ``ClassificationRequestOutput`` (``.outputs.probs``); see docs/encoder-tasks.md."""
+        from .encoder_llm import classify
+
+        return classify(self, prompts)
+
     def bert_forward(self, prompts, contexts, *, max_answer_len: int = 30):
         """furiosa's BERT question answering (``task_type='question-answering'``): one ``RequestOutput`` per
         (question, context) pair whose completion is the answer span (``.answer``: span and start/end logits)."""

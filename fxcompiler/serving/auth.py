@@ -1,5 +1,5 @@
 """``--api-key``: a pure ASGI middleware that answers requests to the model's routes (``/v1``, and the
-``/tokenize``, ``/detokenize``, ``/score``, ``/rerank`` ones outside it) without ``Authorization: Bearer <key>``
+``/tokenize``, ``/detokenize``, ``/score``, ``/rerank``, ``/classify`` ones outside it) without ``Authorization: Bearer <key>``
 with OpenAI's 401 body. ``/``, ``/health``, ``/version`` and ``/metrics`` stay open (probes and scrapers).
 
 Pure ASGI, not Starlette's ``@app.middleware("http")`` (``BaseHTTPMiddleware``): that one re-streams every
@@ -22,7 +22,7 @@ __all__ = ["APIKeyMiddleware"]
 
 
 # vLLM guards /v1 only; the routes that run the model or its tokenizer outside /v1 are guarded here too
-PROTECTED = ("/v1", "/tokenize", "/detokenize", "/score", "/rerank")
+PROTECTED = ("/v1", "/tokenize", "/detokenize", "/score", "/rerank", "/classify")
 
 
 class APIKeyMiddleware:

@@ -1,6 +1,7 @@
 """``fxcompiler serve`` for encoder models: OpenAI's ``/v1/embeddings`` (``task_type`` embed), vLLM's
 ``/v1/score`` and Jina/Cohere-style ``/v1/rerank`` (a cross-encoder, ``task_type`` score, or the cosine of an
-embedding model's vectors), on :meth:`LLM.embed` / :meth:`LLM.score`.
+embedding model's vectors) and vLLM's ``/classify`` (a sequence classifier's probabilities), on
+:meth:`LLM.embed` / :meth:`LLM.score` / :meth:`LLM.classify`.
 
 An encoder request runs once (no decode steps), so requests run one at a time on a worker thread, each batched
 by the encoder runner into its buckets; the event loop stays free for health checks and new connections.
@@ -40,6 +41,15 @@ class EmbeddingRequest(BaseModel):
     dimensions: int | None = Field(None, ge=1)
     normalize: bool | None = None
     user: str | None = None
+
+
+class ClassifyRequest(BaseModel):
+    """vLLM's classify request: texts or token ids."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
 
 
 class ScoreRequest(BaseModel):
@@ -106,6 +116,8 @@ def build_pooling_app(llm: Any, *, api_key: str | None = None, model_name: str |
     metrics = PoolingMetrics(name)
     app.state.metrics = metrics
     max_len = int(llm.max_seq_len_to_capture)
+    id2label = getattr(getattr(llm, "model_config", None), "id2label", None) or {}
+    labels = {int(k): str(v) for k, v in id2label.items()}
     add_tokenizer_routes(app, llm.tokenizer, check_model, max_len)
     lock = asyncio.Lock()
 
@@ -132,7 +144,7 @@ def build_pooling_app(llm: Any, *, api_key: str | None = None, model_name: str |
                               f"the {api}; use {use}", param="model")
         return refuse
 
-    use = "/v1/embeddings" if llm.task == EMBED else "/v1/score or /v1/rerank"
+    use = "/v1/embeddings" if llm.task == EMBED else "/classify, /v1/score or /v1/rerank"
     app.post("/v1/completions")(wrong_api("Completions API", use))
     app.post("/v1/chat/completions")(wrong_api("Chat Completions API", use))
 
@@ -152,6 +164,24 @@ def build_pooling_app(llm: Any, *, api_key: str | None = None, model_name: str |
                 for i, o in enumerate(outs)]
         return {"object": "list", "data": data, "model": name,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    @app.post("/classify")
+    @app.post("/v1/classify", include_in_schema=False)
+    async def classify(req: ClassifyRequest):
+        check_model(req.model)
+        if llm.task != SCORE:
+            raise OpenAIError(f"The model `{name}` is an embedding model: /classify needs a sequence-classification "
+                              "checkpoint (task 'score')", param="model")
+        prompts = _prompts(req.input)
+        outs, tokens = await run(lambda: llm.classify(prompts), "input")
+        data = []
+        for i, o in enumerate(outs):
+            probs = o.outputs.probs
+            best = max(range(len(probs)), key=probs.__getitem__)
+            data.append({"index": i, "object": "classification", "label": labels.get(best, str(best)),
+                         "probs": probs, "num_classes": len(probs)})
+        return {"id": f"classify-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": name,
+                "data": data, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     @app.post("/v1/score")
     @app.post("/score", include_in_schema=False)

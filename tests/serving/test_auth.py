@@ -51,7 +51,7 @@ def test_other_routes_need_no_key(http):
     assert http.get("/health").status_code == 200
 
 
-@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/score", "/rerank"])
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize", "/score", "/rerank", "/classify"])
 def test_model_routes_outside_v1_need_the_key(path):
     app = FastAPI()
     app.post(path)(lambda: {"ok": True})

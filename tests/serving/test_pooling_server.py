@@ -125,6 +125,61 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(emb, cross)
     assert http.get("/health").status_code == 200 and http.get("/v1/models").json()["data"][0]["id"] == "emb"
 
 
+@pytest.fixture(scope="module")
+def classifier(tmp_path_factory):
+    """A tiny BertForSequenceClassification with three labels (random weights, float64)."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    from fxcompiler import LLM
+    from fxcompiler.encoder_zoo import encoder_config
+
+    cfg = encoder_config("bert_cross_encoder")
+    cfg.num_labels, cfg.id2label, cfg.label2id = 3, {0: "neg", 1: "neu", 2: "pos"}, {"neg": 0, "neu": 1, "pos": 2}
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(cfg).to(torch.float64).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.normal_(0, 0.3)
+    path = tmp_path_factory.mktemp("classifier") / "bert3"
+    model.save_pretrained(path)
+    encoders._tokenizer(path, with_token_types=True).save_pretrained(path)
+    llm = LLM(str(path), dtype="float64", cache_dir=None)
+    yield llm, model
+    llm.shutdown()
+
+
+def test_classify_against_transformers(classifier, emb):
+    """LLM.classify: softmax over the labels of transformers' logits (float64); /classify serves it with the
+    checkpoint's label names; score() on a three-label model points at classify."""
+    import torch
+
+    llm, ref = classifier
+    outs = llm.classify(TEXTS + [{"prompt_token_ids": [2, 9, 10, 3]}])
+    for o, text in zip(outs, TEXTS):
+        enc = llm.tokenizer(text, return_tensors="pt")
+        with torch.no_grad():
+            want = torch.softmax(ref(**enc).logits[0], dim=-1).tolist()
+        assert o.outputs.num_classes == 3 and o.outputs.probs == pytest.approx(want, abs=1e-9)
+        assert o.prompt_token_ids == enc["input_ids"][0].tolist()
+    with pytest.raises(ValueError, match=r"num_labels=3 \(LLM.classify gives its class probabilities\)"):
+        llm.score("a", "b")
+    with pytest.raises(ValueError, match="LLM.classify needs an LLM built with task_type='score'"):
+        emb[0].classify(TEXTS)
+    with TestClient(build_pooling_app(llm, model_name="cls")) as http:
+        r = http.post("/classify", json={"input": TEXTS})
+        assert r.status_code == 200, r.text
+        data = r.json()["data"]
+        assert [d["probs"] for d in data] == [o.outputs.probs for o in llm.classify(TEXTS)]  # the same batch
+        assert [d["label"] for d in data] == [["neg", "neu", "pos"][max(range(3), key=d["probs"].__getitem__)]
+                                              for d in data]
+        assert all(d["num_classes"] == 3 for d in data) and r.json()["usage"]["prompt_tokens"] > 0
+        _error(http.post("/classify", json={"input": []}), 400, "input", "must not be empty")
+        _error(http.post("/v1/completions", json={"prompt": "x"}), 400, "model", "/classify")
+    _error(emb[1].post("/classify", json={"input": "x"}), 400, "model", "is an embedding model")
+
+
 def test_serve_an_embedding_checkpoint(models, tmp_path):
     """``fxcompiler serve`` builds an encoder checkpoint and serves it through these routes; SIGTERM exits 0."""
     llms, root = models
