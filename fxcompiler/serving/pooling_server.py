@@ -30,26 +30,22 @@ from .tokenize_routes import add_tokenizer_routes
 log = logging.getLogger("fxcompiler.serving")
 
 
-class EmbeddingRequest(BaseModel):
-    """OpenAI's embeddings request; ``normalize`` (default: the model's pooler) is vLLM's extension."""
+class InputsRequest(BaseModel):
+    """A request of texts or token ids (``input``): vLLM's classify request, and the base of the embeddings one."""
 
     model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     input: str | list[str] | list[int] | list[list[int]]
+
+
+class EmbeddingRequest(InputsRequest):
+    """OpenAI's embeddings request; ``normalize`` (default: the model's pooler) is vLLM's extension."""
+
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
     normalize: bool | None = None
     user: str | None = None
-
-
-class ClassifyRequest(BaseModel):
-    """vLLM's classify request: texts or token ids."""
-
-    model_config = ConfigDict(extra="allow")
-
-    model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
 
 
 class ScoreRequest(BaseModel):
@@ -151,13 +147,17 @@ def build_pooling_app(llm: Any, *, api_key: str | None = None, model_name: str |
     add_status_routes(app, name=name, root=llm.model_id, max_model_len=max_len, healthy=lambda: True,
                       metrics=metrics.render)
 
+    def prompts_for(req: InputsRequest, task: str, refusal: str) -> list[Any]:
+        """The request's inputs as prompts, once it names this model and the model serves ``task``."""
+        check_model(req.model)
+        if llm.task != task:
+            raise OpenAIError(f"The model `{name}` {refusal}", param="model")
+        return _prompts(req.input)
+
     @app.post("/v1/embeddings")
     async def embeddings(req: EmbeddingRequest):
-        check_model(req.model)
-        if llm.task != EMBED:
-            raise OpenAIError(f"The model `{name}` is a cross-encoder (task 'score'): it scores pairs "
-                              "(/v1/score, /v1/rerank) and has no embeddings", param="model")
-        prompts = _prompts(req.input)
+        prompts = prompts_for(req, EMBED, "is a cross-encoder (task 'score'): it scores pairs (/v1/score, "
+                                          "/v1/rerank) and has no embeddings")
         params = PoolingParams(normalize=req.normalize, dimensions=req.dimensions)
         outs, tokens = await run(lambda: llm.embed(prompts, params), "input")
         data = [{"object": "embedding", "index": i, "embedding": _vector(o.outputs.embedding, req.encoding_format)}
@@ -167,12 +167,9 @@ def build_pooling_app(llm: Any, *, api_key: str | None = None, model_name: str |
 
     @app.post("/classify")
     @app.post("/v1/classify", include_in_schema=False)
-    async def classify(req: ClassifyRequest):
-        check_model(req.model)
-        if llm.task != SCORE:
-            raise OpenAIError(f"The model `{name}` is an embedding model: /classify needs a sequence-classification "
-                              "checkpoint (task 'score')", param="model")
-        prompts = _prompts(req.input)
+    async def classify(req: InputsRequest):
+        prompts = prompts_for(req, SCORE, "is an embedding model: /classify needs a sequence-classification "
+                                          "checkpoint (task 'score')")
         outs, tokens = await run(lambda: llm.classify(prompts), "input")
         data = []
         for i, o in enumerate(outs):

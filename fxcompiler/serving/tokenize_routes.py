@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from fastapi import FastAPI
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from .protocol import ChatMessage, OpenAIError, message_dicts
 
@@ -28,7 +28,7 @@ class DetokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
-    tokens: list[int] = Field(..., min_length=0)
+    tokens: list[int]
 
 
 def add_tokenizer_routes(app: FastAPI, tokenizer: Any, check_model: Callable[[str | None], None],
